@@ -1,0 +1,30 @@
+"""The one door for optional CUDA-only dependencies (Transformer Engine, NVIDIA Apex).
+
+Probing uses `find_spec`, so importing megatron_mea never imports them. A feature that needs one
+calls `require(...)` at construction time and gets an `ImportError` naming the pip extra.
+"""
+
+from importlib.util import find_spec
+
+HAVE_TE = find_spec("transformer_engine") is not None
+# NVIDIA Apex installs the `apex` package with `apex.normalization`; the unrelated PyPI project of
+# the same name does not have that submodule, so probe for it rather than for `apex`.
+HAVE_APEX = find_spec("apex") is not None and find_spec("apex.normalization") is not None
+
+_EXTRAS = {
+    "transformer_engine": ("Transformer Engine", "pip install 'megatron_mea[te]'"),
+    "apex": ("NVIDIA Apex", "build it from github.com/NVIDIA/apex (not the PyPI package 'apex')"),
+}
+
+
+def require(dependency: str, feature: str) -> None:
+    """Raise ImportError naming `feature` and how to install `dependency` if it is missing.
+
+    Args:
+        dependency: `transformer_engine` or `apex`.
+        feature: what the user asked for, e.g. "use_transformer_engine=True".
+    """
+    present = {"transformer_engine": HAVE_TE, "apex": HAVE_APEX}[dependency]
+    if not present:
+        name, how = _EXTRAS[dependency]
+        raise ImportError(f"{feature} needs {name}, which is not installed: {how}")

@@ -1,0 +1,190 @@
+"""`MEATransformerConfig`: Megatron's `TransformerConfig` plus the MEA / KHA fields.
+
+Every user mistake is caught here, in `__post_init__`, with a `ValueError` that names the field and
+the sizes involved, so that nothing fails later as an assert deep inside a forward pass.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+logger = logging.getLogger(__name__)
+
+ATTENTION_VARIANTS = ("standard", "mea", "kha")
+MEA_MIX_INITS = ("identity", "repeat", "normal")
+MEA_TP_EXCHANGES = ("activations", "weights", "auto")
+KHA_VARIANTS = ("linear", "mlp")
+KHA_TARGETS = ("q", "k", "v")
+
+# Megatron features that bypass the Python q/k/v path the variants hook into, or that change the
+# attention module altogether. Each maps to the reason shown to the user.
+_UNSUPPORTED_WITH_VARIANTS = {
+    "fused_single_qkv_rope": "it skips the q/k/v split the variants act on",
+    "flash_decode": "static flash-decode bypasses the KV-cache seam where MEA rebuilds its heads",
+    "fp8_multi_head_attention": "it hands FP8 tensors to the plugin's bf16 ops",
+    "multi_latent_attention": "MLA has its own attention module (use attention_variant='standard')",
+    "attention_output_gate": "the gated output path is not supported by the variants yet",
+}
+
+
+@dataclass
+class MEATransformerConfig(TransformerConfig):
+    """Transformer config with the cross-head attention variants of megatron_mea.
+
+    Sizes use Megatron's notation: `np` = num_attention_heads, `ng` = num_query_groups,
+    `hn` = kv_channels, `t` = tensor_model_parallel_size.
+    """
+
+    attention_variant: Literal["standard", "mea", "kha"] = "standard"
+    """Self-attention flavour: plain Megatron attention, MEA (head-level linear composition of K/V
+    plus a per-head RMS norm) or KHA (a shared per-head transform of Q/K/V)."""
+
+    mea_num_kv_components: Optional[int] = None
+    """MEA: number of component K/V heads `nc` that `linear_qkv` produces and the KV cache stores;
+    HLC rebuilds the `ng` composite heads from them. Default `ng`; `nc < ng` gives virtual heads
+    (KV cache `nc/ng` of GQA's). Must divide `np` and be a multiple of `t`."""
+
+    mea_mix_init: Optional[Literal["identity", "repeat", "normal"]] = None
+    """MEA: initial mixing matrices `[nc, ng]`. Default by shape: `identity` when `nc == ng`,
+    `repeat` (composite h copies component `h * nc // ng`, i.e. GQA with nc groups) otherwise.
+    `normal` draws N(0, 1/nc)."""
+
+    mea_head_norm: bool = True
+    """MEA: RMS-normalise each query head's attention output over its `hn` channels (learnable scale
+    per head and channel, eps = layernorm_epsilon) before `linear_proj`."""
+
+    mea_tp_exchange: Literal["activations", "weights", "auto"] = "activations"
+    """MEA under tensor parallelism: `activations` trades the head shard of K/V for a token shard
+    with one all-to-all, mixes, and trades back. `weights` (fold HLC into the K/V projection) and
+    `auto` are delivered by the performance work (issue 7)."""
+
+    kha_variant: Optional[Literal["linear", "mlp"]] = None
+    """KHA: `linear` (a shared `hn x hn` matrix per target) or `mlp` (gated MLP on V only).
+    Default by model, following the KHA paper's ablations: `mlp` for MoE models, `linear` for dense."""
+
+    kha_targets: Optional[tuple] = None
+    """KHA: which of q, k, v are transformed. Default ("q", "k", "v") for `linear`, ("v",) for
+    `mlp` (the only allowed value there)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.attention_variant not in ATTENTION_VARIANTS:
+            raise ValueError(
+                f"attention_variant ({self.attention_variant!r}) must be one of {ATTENTION_VARIANTS}"
+            )
+        if self.attention_variant == "standard":
+            self._warn_ignored_fields()
+            return
+        self._check_common()
+        if self.attention_variant == "mea":
+            self._check_mea()
+        else:
+            self._check_kha()
+
+    # ---- validation, one method per group of fields ------------------------------------------
+
+    def _warn_ignored_fields(self):
+        set_fields = [
+            name
+            for name, default in (
+                ("mea_num_kv_components", None),
+                ("mea_mix_init", None),
+                ("kha_variant", None),
+                ("kha_targets", None),
+            )
+            if getattr(self, name) != default
+        ]
+        if set_fields:
+            logger.warning(
+                "attention_variant='standard' ignores %s", ", ".join(set_fields)
+            )
+
+    def _check_common(self):
+        for name, why in _UNSUPPORTED_WITH_VARIANTS.items():
+            if getattr(self, name, False):
+                raise ValueError(
+                    f"{name}=True is not supported with attention_variant="
+                    f"'{self.attention_variant}': {why}"
+                )
+        if self.experimental_attention_variant is not None:
+            raise ValueError(
+                f"experimental_attention_variant ({self.experimental_attention_variant!r}) cannot "
+                f"be combined with attention_variant='{self.attention_variant}'"
+            )
+        t = self.tensor_model_parallel_size
+        if self.num_query_groups % t != 0:
+            raise ValueError(
+                f"num_query_groups ({self.num_query_groups}) must be divisible by "
+                f"tensor_model_parallel_size ({t}) with attention_variant="
+                f"'{self.attention_variant}' (KV groups shared by several TP ranks are not "
+                "supported)"
+            )
+
+    def _check_mea(self):
+        np_, ng, t = self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size
+        if self.mea_num_kv_components is None:
+            self.mea_num_kv_components = ng
+        nc = self.mea_num_kv_components
+        if not isinstance(nc, int) or nc < 1:
+            raise ValueError(f"mea_num_kv_components ({nc}) must be a positive integer")
+        if nc > ng:
+            raise ValueError(
+                f"mea_num_kv_components ({nc}) must not exceed num_query_groups ({ng}): "
+                "components are compressed heads"
+            )
+        if np_ % nc != 0:
+            raise ValueError(
+                f"mea_num_kv_components ({nc}) must divide num_attention_heads ({np_}): "
+                "linear_qkv lays out query heads per component group"
+            )
+        if nc % t != 0:
+            raise ValueError(
+                f"mea_num_kv_components ({nc}) must be divisible by tensor_model_parallel_size "
+                f"({t}): each TP rank holds nc/t component heads"
+            )
+        if self.mea_mix_init is None:
+            self.mea_mix_init = "identity" if nc == ng else "repeat"
+        if self.mea_mix_init not in MEA_MIX_INITS:
+            raise ValueError(f"mea_mix_init ({self.mea_mix_init!r}) must be one of {MEA_MIX_INITS}")
+        if self.mea_mix_init == "identity" and nc != ng:
+            raise ValueError(
+                f"mea_mix_init='identity' needs mea_num_kv_components ({nc}) == num_query_groups "
+                f"({ng}); use 'repeat' or 'normal'"
+            )
+        if self.mea_tp_exchange not in MEA_TP_EXCHANGES:
+            raise ValueError(
+                f"mea_tp_exchange ({self.mea_tp_exchange!r}) must be one of {MEA_TP_EXCHANGES}"
+            )
+        if self.mea_tp_exchange != "activations":
+            raise NotImplementedError(
+                f"mea_tp_exchange={self.mea_tp_exchange!r} is not implemented yet (issue 7, "
+                "'Performance: the weights exchange, auto'); use 'activations'"
+            )
+
+    def _check_kha(self):
+        if self.kha_variant is None:
+            self.kha_variant = "mlp" if self.num_moe_experts else "linear"
+        if self.kha_variant not in KHA_VARIANTS:
+            raise ValueError(f"kha_variant ({self.kha_variant!r}) must be one of {KHA_VARIANTS}")
+        if self.kha_targets is None:
+            self.kha_targets = ("v",) if self.kha_variant == "mlp" else KHA_TARGETS
+        if isinstance(self.kha_targets, str):
+            raise ValueError(
+                f"kha_targets ({self.kha_targets!r}) must be a tuple such as ('q', 'k', 'v')"
+            )
+        targets = tuple(self.kha_targets)
+        unknown = [x for x in targets if x not in KHA_TARGETS]
+        if not targets or unknown or len(set(targets)) != len(targets):
+            raise ValueError(
+                f"kha_targets ({targets}) must be a non-empty subset of {KHA_TARGETS} without "
+                "repeats"
+            )
+        if self.kha_variant == "mlp" and targets != ("v",):
+            raise ValueError(
+                f"kha_targets ({targets}) must be ('v',) with kha_variant='mlp': the KHA MLP acts "
+                "on values only"
+            )
+        # Canonical order, so that parameter creation (and checkpoints) do not depend on it.
+        self.kha_targets = tuple(x for x in KHA_TARGETS if x in targets)

@@ -1,0 +1,190 @@
+"""MEA and KHA self-attention: Megatron's `SelfAttention` with the variants' transforms.
+
+Both keep Megatron's submodules (`linear_qkv`, `core_attention`, `linear_proj`, q/k norms), their
+state-dict names and their tensor-parallel layout; the new parameters live in child modules
+`head_mix`, `head_norm` (MEA) and `knock` (KHA).
+
+Shape legend: `s` sequence (full, also under SP: `linear_qkv` gathers it), `b` batch, `np_loc`
+local query heads, `nc_loc` / `ng_loc` local component / composite K/V heads, `hn` head dim.
+"""
+
+import copy
+
+import torch
+from megatron.core.inference.contexts import BaseInferenceContext
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.utils import deprecate_inference_params
+
+from megatron_mea.layers.head_mix import HeadMix
+from megatron_mea.layers.head_norm import HeadRMSNorm
+from megatron_mea.layers.knock import KnockingHeads
+
+
+def split_qkv(mixed_qkv: torch.Tensor, num_groups: int, num_heads: int, head_dim: int):
+    """Split `linear_qkv`'s output, laid out per K/V group as `q ... q k v` (Megatron's layout).
+
+    Args:
+        mixed_qkv: `[s, b, num_groups * (num_heads/num_groups + 2) * hn]`.
+        num_groups, num_heads: local K/V groups and query heads.
+        head_dim: hn.
+
+    Returns:
+        query `[s, b, num_heads, hn]`, key and value `[s, b, num_groups, hn]` (views).
+    """
+    per_group = num_heads // num_groups
+    mixed = mixed_qkv.view(*mixed_qkv.shape[:-1], num_groups, (per_group + 2) * head_dim)
+    query, key, value = torch.split(mixed, [per_group * head_dim, head_dim, head_dim], dim=-1)
+    return query.reshape(*query.shape[:-2], num_heads, head_dim), key, value
+
+
+class _SplitSelfAttention(SelfAttention):
+    """`SelfAttention` whose q/k/v split is explicit, so the variants can act between the split
+    and the q/k norms. `MEATransformerConfig` guarantees what this split relies on: no fused
+    qkv-rope (split_qkv is always True), no output gate, and `num_query_groups % tp == 0`."""
+
+    def _project_and_split(self, hidden_states, key_value_states):
+        if key_value_states is not None:
+            raise ValueError("the MEA / KHA variants are self-attention only")
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        return split_qkv(
+            mixed_qkv,
+            self.num_query_groups_per_partition,
+            self.num_attention_heads_per_partition,
+            self.hidden_size_per_attention_head,
+        )
+
+
+class KHASelfAttention(_SplitSelfAttention):
+    """Knocking-heads attention: `knock` transforms Q/K/V right after the split, before the q/k
+    norms and RoPE (so KHA-Linear folds into `linear_qkv`)."""
+
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number,
+        attn_mask_type=AttnMaskType.padding,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
+        self.knock = KnockingHeads(config, self.tp_group)
+
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
+    ):
+        """`[s, b, h]` -> query `[s, b, np_loc, hn]`, key, value `[s, b, ng_loc, hn]`."""
+        query, key, value = self._project_and_split(hidden_states, key_value_states)
+        query, key, value = self.knock(query, key, value)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value
+
+
+class MEASelfAttention(_SplitSelfAttention):
+    """Multi-head explicit attention: HLC over K/V heads plus a per-head RMS norm of the output.
+
+    `linear_qkv` produces `nc` component K/V heads (`mea_num_kv_components`); the KV cache stores
+    them (pre-norm, pre-RoPE); `head_mix` rebuilds the `ng` composite heads right after the cache,
+    then `k_layernorm`, RoPE and the unchanged core attention run on the composites. With
+    `nc < ng` ("virtual heads") the projection and the cache shrink to `nc/ng` of GQA's.
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number,
+        attn_mask_type=AttnMaskType.padding,
+        cp_comm_type=None,
+        pg_collection=None,
+    ):
+        # Megatron sizes linear_qkv and the KV cache from num_query_groups: give it the component
+        # count, then restore the real config for everything downstream of HLC.
+        component_config = copy.copy(config)
+        component_config.num_query_groups = config.mea_num_kv_components
+        super().__init__(
+            component_config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection
+        )
+        self.config = config
+        if config.mea_num_kv_components != config.num_query_groups:
+            # The core attention sees ng composite groups (no parameters, so nothing is lost).
+            self.core_attention = submodules.core_attention(
+                config=config,
+                layer_number=self.layer_number,
+                attn_mask_type=self.attn_mask_type,
+                attention_type=self.attention_type,
+                cp_comm_type=cp_comm_type,
+                softmax_scale=config.softmax_scale,
+                pg_collection=self.pg_collection,
+            )
+        self.head_mix = HeadMix(config, self.tp_group)
+        self.head_norm = HeadRMSNorm(config, self.tp_group) if config.mea_head_norm else None
+        if self.head_norm is not None:
+            # Attention.forward runs core attention (static, dynamic, checkpointed or packed
+            # paths) and then linear_proj with no seam in between; linear_proj's input is the one
+            # place every path shares. A pre-hook there is the only way to insert the norm
+            # without copying Megatron's 300-line forward.
+            self.linear_proj.register_forward_pre_hook(self._normalize_heads)
+
+    def _normalize_heads(self, module, args):
+        (core_attn_out,) = args
+        return (self.head_norm(core_attn_out),)
+
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
+    ):
+        """`[s, b, h]` -> query `[s, b, np_loc, hn]` (q-normed), component key and value
+        `[s, b, nc_loc, hn]` (HLC and the k norm come after the KV cache)."""
+        query, key, value = self._project_and_split(hidden_states, key_value_states)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        return query, key, value
+
+    def _adjust_key_value_for_inference(
+        self,
+        inference_context: BaseInferenceContext,
+        query,
+        key,
+        value,
+        rotary_pos_emb,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+    ):
+        """Cache the component heads (Megatron's static cache), then rebuild the composites.
+
+        Megatron calls this on every forward, between the q/k/v split and RoPE; without an
+        inference context it only passes the tensors through. Mixing here, for training too,
+        keeps one code path: component key/value `[s, b, nc_loc, hn]` (or the cached prefix)
+        -> composite `[s, b, ng_loc, hn]`, then `k_layernorm`.
+        """
+        inference_context = deprecate_inference_params(inference_context, inference_params)
+        if inference_context is not None and not inference_context.is_static_batching():
+            raise NotImplementedError(
+                "MEA with Megatron's dynamic (paged) inference context is not supported yet "
+                "(issue 6, 'Inference with MEA's compressed KV cache'); use the static context"
+            )
+        query, key, value, rotary_pos_emb, attn_mask_type, block_table = (
+            super()._adjust_key_value_for_inference(
+                inference_context,
+                query,
+                key,
+                value,
+                rotary_pos_emb,
+                rotary_pos_cos,
+                rotary_pos_sin,
+                rotary_pos_cos_sin,
+                sequence_len_offset,
+            )
+        )
+        key, value = self.head_mix(key, value)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value, rotary_pos_emb, attn_mask_type, block_table

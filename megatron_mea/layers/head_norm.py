@@ -1,0 +1,58 @@
+"""MEA head-level group norm: RMSNorm of each query head's attention output, sharded by heads."""
+
+import torch
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
+from megatron.core.utils import divide, get_pg_size
+
+from megatron_mea.ops import head_rms_norm
+
+
+class HeadRMSNorm(MegatronModule):
+    """RMS-normalise every query head over its `hn` channels, with a learned per-channel scale.
+
+    Parameters:
+        weight: `[np/t * hn]`, init 1. TP-sharded along dim 0 like the heads themselves; each
+            rank sees the full sequence of its own heads, so its gradient is complete locally (no
+            TP reduction), and the checkpoint records it with tp axis 0.
+
+    Args:
+        config: an `MEATransformerConfig` (eps = layernorm_epsilon).
+        tp_group: the tensor-parallel process group.
+    """
+
+    def __init__(self, config, tp_group):
+        super().__init__(config=config)
+        self.tp_group = tp_group
+        self.num_heads = divide(config.num_attention_heads, get_pg_size(tp_group))
+        self.head_dim = config.kv_channels
+        self.eps = config.layernorm_epsilon
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(
+            torch.ones(self.num_heads * self.head_dim, device=device, dtype=config.params_dtype)
+        )
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=True, dim=0, stride=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise `x [s, b, np_loc*hn]` (or `[t, 1, np_loc*hn]` packed) head by head."""
+        heads = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
+        weight = self.weight.view(self.num_heads, self.head_dim)
+        return head_rms_norm(heads, weight, self.eps).reshape(x.shape)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        """Declare `weight` as sharded along axis 0 over TP (a replicated entry would silently
+        load rank 0's slice everywhere)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        state_dict = self.state_dict(prefix="", keep_vars=True)
+        return make_sharded_tensors_for_checkpoint(
+            state_dict,
+            prefix,
+            {"weight": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )

@@ -1,0 +1,53 @@
+"""KHA: a shared, identity-initialised `hn x hn` transform applied to every head of one kind."""
+
+import torch
+
+from megatron_mea.ops import kha_linear, kha_mlp
+from megatron_mea.parallel import tp_replicated
+
+
+class KnockingHeads(torch.nn.Module):
+    """Knocking-heads transforms of Q/K/V, per head along the feature axis (SPEC section 2).
+
+    Parameters (all `[hn, hn]`, TP-replicated; every forward routes them through `tp_replicated`,
+    so their gradients, partial over each rank's heads, are summed over the TP group):
+        linear variant: `q_weight`, `k_weight`, `v_weight` for the configured `kha_targets`,
+            identity at init (`x @ T` convention).
+        mlp variant: `v_up`, `v_gate`, `v_down` (identity, zero, identity at init).
+
+    Args:
+        config: an `MEATransformerConfig` with attention_variant="kha".
+        tp_group: the tensor-parallel process group.
+    """
+
+    def __init__(self, config, tp_group):
+        super().__init__()
+        self.tp_group = tp_group
+        self.variant = config.kha_variant
+        self.targets = tuple(config.kha_targets)
+        hn = config.kv_channels
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+
+        def make(init):
+            return torch.nn.Parameter(init.to(device=device, dtype=config.params_dtype))
+
+        if self.variant == "linear":
+            for target in self.targets:
+                self.register_parameter(f"{target}_weight", make(torch.eye(hn)))
+        else:
+            self.v_up = make(torch.eye(hn))
+            self.v_gate = make(torch.zeros(hn, hn))
+            self.v_down = make(torch.eye(hn))
+
+    def _weight(self, name: str) -> torch.Tensor:
+        return tp_replicated(getattr(self, name), self.tp_group)
+
+    def forward(self, query, key, value):
+        """Transform `query [s, b, np_loc, hn]`, `key, value [s, b, ng_loc, hn]` (shapes kept)."""
+        if self.variant == "mlp":
+            up, gate, down = (self._weight(n) for n in ("v_up", "v_gate", "v_down"))
+            return query, key, kha_mlp(value, up, gate, down)
+        heads = {"q": query, "k": key, "v": value}
+        for target in self.targets:
+            heads[target] = kha_linear(heads[target], self._weight(f"{target}_weight"))
+        return heads["q"], heads["k"], heads["v"]

@@ -1,0 +1,5 @@
+"""Single-device math of MEA and KHA (no megatron imports); see README.md for the equations."""
+
+from megatron_mea.ops.functional import head_mix, head_rms_norm, kha_linear, kha_mlp, mix_init
+
+__all__ = ["head_mix", "head_rms_norm", "kha_linear", "kha_mlp", "mix_init"]

@@ -1,0 +1,99 @@
+"""The math of MEA and KHA on local heads: the single source both the reference and the layers call.
+
+Shape legend (Megatron's notation): `s` sequence, `b` micro-batch, `nc` component K/V heads,
+`ng` composite K/V heads (query groups), `np` query heads, `hn` head dim. Leading dims written `...`
+may be anything (`[s, b]`, `[tokens]`, `[tokens, 2]`...). Nothing here imports megatron or knows
+about parallelism: the layers hand in already-partitioned heads.
+
+Fed fp32 tensors these functions are the reference; the layers call them in the activation dtype.
+Only the RMS norm upcasts (its mean of squares needs fp32, as every Megatron norm does).
+"""
+
+import torch
+
+
+def head_mix(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """HLC: composite heads as learned linear combinations of component heads.
+
+    `out[..., h, :] = sum_j x[..., j, :] * weight[..., j, h]`.
+
+    Args:
+        x: component heads `[..., nc, hn]`.
+        weight: mixing matrix `[nc, ng]`, or a stack `[..., nc, ng]` whose leading dims broadcast
+            against those of `x` (K and V mixed in one call: `x [tokens, 2, nc, hn]`,
+            `weight [2, nc, ng]`).
+
+    Returns:
+        composite heads `[..., ng, hn]`.
+    """
+    return torch.einsum("...jd,...jh->...hd", x, weight)
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Head-level group norm: RMS-normalise every head over its own `hn` channels, then scale.
+
+    Args:
+        x: attention output `[..., np, hn]`.
+        weight: per-head, per-channel scale `[np, hn]`.
+        eps: added to the mean of squares.
+
+    Returns:
+        `[..., np, hn]` in `x.dtype`; computed in fp32 (or wider).
+    """
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    inv_rms = torch.rsqrt(wide.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (wide * inv_rms * weight.to(wide.dtype)).to(x.dtype)
+
+
+def kha_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """KHA-Linear: the same `hn x hn` matrix applied to every head along the feature axis.
+
+    Args:
+        x: heads `[..., heads, hn]`.
+        weight: `T [hn, hn]`, in the papers' `x @ T` convention (identity at init).
+
+    Returns:
+        `x @ T`, `[..., heads, hn]`.
+    """
+    return torch.matmul(x, weight)
+
+
+def kha_mlp(
+    x: torch.Tensor, up: torch.Tensor, gate: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """KHA-MLP (values only): `2 * ((x @ W_up) * sigmoid(x @ W_gate)) @ W_down`.
+
+    The factor 2 makes the module exactly the identity at its init (`W_up = W_down = I`,
+    `W_gate = 0`, so the gate is 1/2 everywhere).
+
+    Args:
+        x: value heads `[..., heads, hn]`.
+        up, gate, down: `[hn, hn]` each.
+
+    Returns:
+        `[..., heads, hn]`.
+    """
+    return 2 * torch.matmul(torch.matmul(x, up) * torch.sigmoid(torch.matmul(x, gate)), down)
+
+
+def mix_init(kind: str, num_components: int, num_groups: int) -> torch.Tensor:
+    """Initial HLC matrix `[nc, ng]` in fp32 (`normal` draws from the default torch generator).
+
+    Args:
+        kind: `identity` (needs nc == ng), `repeat` (composite h copies component h*nc//ng, i.e.
+            exactly GQA with nc groups) or `normal` (std 1/sqrt(nc)).
+        num_components: nc.
+        num_groups: ng.
+    """
+    if kind == "identity":
+        if num_components != num_groups:
+            raise ValueError(f"identity mixing needs nc == ng, got {num_components}, {num_groups}")
+        return torch.eye(num_components)
+    if kind == "repeat":
+        weight = torch.zeros(num_components, num_groups)
+        composite = torch.arange(num_groups)
+        weight[composite * num_components // num_groups, composite] = 1.0
+        return weight
+    if kind == "normal":
+        return torch.randn(num_components, num_groups) / num_components**0.5
+    raise ValueError(f"unknown mix init {kind!r}")

@@ -1,0 +1,57 @@
+"""Collectives of the plugin, each an autograd-aware function of an explicit process group.
+
+Shape legend: `N` tokens on this rank (`s*b`, the full sequence between `linear_qkv` and
+`linear_proj`), `n_r` tokens in rank r's token shard, `f` features of the local heads
+(`heads_local * ...`), `t` the group size.
+
+Built on Megatron's own `all_to_all` (an all-to-all-v whose backward is the inverse exchange) and
+`copy_to_tensor_model_parallel_region` (identity forward, SUM all-reduce backward).
+"""
+
+from typing import List
+
+import torch
+from megatron.core.tensor_parallel.mappings import all_to_all, copy_to_tensor_model_parallel_region
+
+
+def token_split_sizes(num_tokens: int, world_size: int) -> List[int]:
+    """Sizes of the contiguous token shards, as even as possible (earlier ranks take the rest)."""
+    base, rest = divmod(num_tokens, world_size)
+    return [base + (1 if r < rest else 0) for r in range(world_size)]
+
+
+def heads_to_tokens(x: torch.Tensor, group) -> torch.Tensor:
+    """Trade the head shard for a token shard: `[N, f]` -> `[n_r, t*f]`.
+
+    Rank r ends with its token shard of every rank's features, in global head order (rank-major,
+    as Megatron shards heads contiguously). Backward is the inverse exchange.
+    """
+    world, rank = group.size(), group.rank()
+    num_tokens, features = x.shape
+    sizes = token_split_sizes(num_tokens, world)
+    received = all_to_all(group, x, [sizes[rank]] * world, sizes)
+    # received: [t * n_r, f], ordered (source rank, token).
+    received = received.view(world, sizes[rank], features)
+    return received.transpose(0, 1).reshape(sizes[rank], world * features)
+
+
+def tokens_to_heads(y: torch.Tensor, group, num_tokens: int) -> torch.Tensor:
+    """Inverse of `heads_to_tokens`: `[n_r, t*f]` -> `[N, f]` (N = `num_tokens`)."""
+    world = group.size()
+    shard_tokens, all_features = y.shape
+    features = all_features // world
+    sizes = token_split_sizes(num_tokens, world)
+    # One contiguous block per destination rank: that rank's heads for my tokens.
+    send = y.reshape(shard_tokens, world, features).transpose(0, 1)
+    send = send.reshape(world * shard_tokens, features)
+    return all_to_all(group, send, sizes, [shard_tokens] * world)
+
+
+def tp_replicated(param: torch.Tensor, group) -> torch.Tensor:
+    """Use a TP-replicated parameter whose gradient must be summed over `group`.
+
+    Each rank's gradient covers only its own heads or tokens; the backward all-reduce (SUM) makes it
+    complete and identical on every rank, whatever the sequence-parallel setting, before DDP sees
+    it. Forward is the identity.
+    """
+    return copy_to_tensor_model_parallel_region(param, group=group)

@@ -1,0 +1,132 @@
+"""GPT layer and block specs with the attention variant of an `MEATransformerConfig`.
+
+Megatron's own spec functions build everything (TE or local backend, dense or MoE, q/k norms);
+the variants only swap the `self_attention` module, keeping its submodules. Specs are rebuilt, not
+mutated, so a spec shared elsewhere is never changed behind its owner's back.
+"""
+
+import dataclasses
+from typing import Optional, Union
+
+from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_mea._optional import require
+from megatron_mea.layers import KHASelfAttention, MEASelfAttention
+
+_ATTENTION_MODULES = {"standard": SelfAttention, "mea": MEASelfAttention, "kha": KHASelfAttention}
+
+
+def attention_module(config) -> type:
+    """The self-attention class for `config.attention_variant` (plain configs: `SelfAttention`)."""
+    return _ATTENTION_MODULES[getattr(config, "attention_variant", "standard")]
+
+
+def _swap_layer(layer_spec: ModuleSpec, module: type) -> ModuleSpec:
+    attention = layer_spec.submodules.self_attention
+    if attention.module not in (SelfAttention, module):
+        raise ValueError(
+            f"cannot apply an attention variant to {attention.module.__name__}: only Megatron's "
+            "SelfAttention is supported"
+        )
+    submodules = dataclasses.replace(
+        layer_spec.submodules, self_attention=dataclasses.replace(attention, module=module)
+    )
+    return dataclasses.replace(layer_spec, submodules=submodules)
+
+
+def apply_attention_variant(
+    spec: Union[ModuleSpec, TransformerBlockSubmodules], config
+) -> Union[ModuleSpec, TransformerBlockSubmodules]:
+    """Return `spec` (a layer spec or a block spec) with the self-attention of `config`'s variant.
+
+    Megatron shares one spec object between all layers of a kind; the copy keeps that sharing.
+    """
+    module = attention_module(config)
+    if module is SelfAttention:
+        return spec
+    if isinstance(spec, TransformerBlockSubmodules):
+        swapped = {}
+        layer_specs = []
+        for layer_spec in spec.layer_specs:
+            if id(layer_spec) not in swapped:
+                swapped[id(layer_spec)] = _swap_layer(layer_spec, module)
+            layer_specs.append(swapped[id(layer_spec)])
+        return dataclasses.replace(spec, layer_specs=layer_specs)
+    return _swap_layer(spec, module)
+
+
+def get_gpt_layer_spec(
+    config,
+    use_transformer_engine: bool = True,
+    num_experts: Optional[int] = None,
+    moe_grouped_gemm: Optional[bool] = None,
+    qk_layernorm: Optional[bool] = None,
+    normalization: Optional[str] = None,
+    qk_l2_norm: bool = False,
+    use_te_op_fuser: bool = False,
+) -> ModuleSpec:
+    """One GPT layer spec with `config`'s attention variant.
+
+    The plugin's counterpart of `get_gpt_layer_with_transformer_engine_spec` /
+    `get_gpt_layer_local_spec`; every argument left as None is read from `config`.
+
+    Args:
+        config: an `MEATransformerConfig` (a plain `TransformerConfig` gives standard attention).
+        use_transformer_engine: TE modules (needs the `te` extra) or Megatron's local ones.
+        num_experts: MoE experts (default `config.num_moe_experts`; None for a dense layer).
+        moe_grouped_gemm: default `config.moe_grouped_gemm`.
+        qk_layernorm: default `config.qk_layernorm`.
+        normalization: local backend only; default `config.normalization`.
+        qk_l2_norm: L2-normalise q and k.
+        use_te_op_fuser: TE backend only.
+    """
+    num_experts = config.num_moe_experts if num_experts is None else num_experts
+    moe_grouped_gemm = config.moe_grouped_gemm if moe_grouped_gemm is None else moe_grouped_gemm
+    qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
+    common = dict(
+        num_experts=num_experts,
+        moe_grouped_gemm=moe_grouped_gemm,
+        qk_layernorm=qk_layernorm,
+        multi_latent_attention=config.multi_latent_attention,
+        moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm,
+        qk_l2_norm=qk_l2_norm,
+        use_kitchen=config.use_kitchen,
+    )
+    if use_transformer_engine:
+        require("transformer_engine", "use_transformer_engine=True")
+        spec = mcore_specs.get_gpt_layer_with_transformer_engine_spec(
+            **common,
+            use_te_op_fuser=use_te_op_fuser,
+            use_te_activation_func=config.use_te_activation_func,
+        )
+    else:
+        spec = mcore_specs.get_gpt_layer_local_spec(
+            **common, normalization=normalization or config.normalization
+        )
+    return apply_attention_variant(spec, config)
+
+
+def get_gpt_decoder_block_spec(
+    config,
+    use_transformer_engine: bool,
+    normalization: Optional[str] = None,
+    qk_l2_norm: Optional[bool] = False,
+    vp_stage: Optional[int] = None,
+    pp_rank: Optional[int] = None,
+) -> TransformerBlockSubmodules:
+    """Megatron-Core's `get_gpt_decoder_block_spec` (same signature; dense and MoE layers by
+    `config.moe_layer_freq`, this pipeline stage's slice) with `config`'s attention variant."""
+    if use_transformer_engine:
+        require("transformer_engine", "use_transformer_engine=True")
+    spec = mcore_specs.get_gpt_decoder_block_spec(
+        config,
+        use_transformer_engine,
+        normalization=normalization,
+        qk_l2_norm=qk_l2_norm,
+        vp_stage=vp_stage,
+        pp_rank=pp_rank,
+    )
+    return apply_attention_variant(spec, config)
