@@ -21,7 +21,7 @@ test: setup
 	$(PY) -m pytest -q tests
 
 demo: setup
-	$(PY) -m megatron_mea.demo
+	$(PY) -m megatron_mea.cli.demo
 
 clean:
 	rm -rf $(VENV) build *.egg-info

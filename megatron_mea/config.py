@@ -69,15 +69,18 @@ class MEATransformerConfig(TransformerConfig):
     `mlp` (the only allowed value there)."""
 
     def __post_init__(self):
-        super().__post_init__()
         if self.attention_variant not in ATTENTION_VARIANTS:
             raise ValueError(
                 f"attention_variant ({self.attention_variant!r}) must be one of {ATTENTION_VARIANTS}"
             )
+        if self.attention_variant != "standard":
+            # Before Megatron's own checks, so the user hears about the variant conflict first.
+            self._check_unsupported_features()
+        super().__post_init__()
         if self.attention_variant == "standard":
             self._warn_ignored_fields()
             return
-        self._check_common()
+        self._check_tensor_parallel_groups()
         if self.attention_variant == "mea":
             self._check_mea()
         else:
@@ -101,7 +104,7 @@ class MEATransformerConfig(TransformerConfig):
                 "attention_variant='standard' ignores %s", ", ".join(set_fields)
             )
 
-    def _check_common(self):
+    def _check_unsupported_features(self):
         for name, why in _UNSUPPORTED_WITH_VARIANTS.items():
             if getattr(self, name, False):
                 raise ValueError(
@@ -113,6 +116,8 @@ class MEATransformerConfig(TransformerConfig):
                 f"experimental_attention_variant ({self.experimental_attention_variant!r}) cannot "
                 f"be combined with attention_variant='{self.attention_variant}'"
             )
+
+    def _check_tensor_parallel_groups(self):
         t = self.tensor_model_parallel_size
         if self.num_query_groups % t != 0:
             raise ValueError(

@@ -1,0 +1,309 @@
+"""Run Megatron-Core 0.16.1 on CPU (gloo) for tests: the patches, applied only where CUDA is absent.
+
+Megatron-Core assumes a GPU in many places. :func:`apply_cpu_patches` fixes the few that a
+GPTModel (local spec, TP + SP + EP, MoE), ``dist_checkpointing`` and the non-distributed fp32
+optimizer hit on a CPU-only torch. It does nothing when ``torch.cuda.is_available()``, so
+behaviour on a GPU never changes. Paths are relative to ``megatron/core`` in 0.16.1.
+
+P1 ``torch.cuda.current_device`` returns ``torch.device("cpu")``.
+   Symptom: ``AssertionError: Torch not compiled with CUDA enabled``. Megatron calls it about
+   175 times as a *device* argument (``transformer/moe/router.py:90``,
+   ``tensor_parallel/mappings.py:91``, ``utils.py:631``...). Safe: without CUDA the original
+   can only raise.
+P2 ``moe_utils.te_general_gemm = None`` when Transformer Engine is absent.
+   Symptom: ``NameError: te_general_gemm`` in the router gating (``moe_utils.py:1192,1225``);
+   the name is bound only under ``try: import transformer_engine`` (``moe_utils.py:22-39``).
+   Safe: ``None`` selects the torch matmul already written there.
+P3 ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` return a no-op CPU stream, and
+   ``torch.cuda.synchronize`` is a no-op. Symptom: ``RuntimeError: torch.cuda.Stream requires
+   CUDA support`` in the alltoall dispatcher (``transformer/moe/token_dispatcher.py:445,871-874,
+   895,899``); ``Torch not compiled with CUDA enabled`` from ``dist_checkpointing.save``
+   (``dist_checkpointing/strategies/filesystem_async.py:230``, also ``async_utils.py:212``,
+   ``fully_parallel.py:272,281``). Safe: CPU ops run in order, so a stream whose events are
+   already complete, and a synchronize that waits for nothing, are exact. ``torch.cpu.Stream``
+   is not enough: its ``record_event()`` returns None, on which the dispatcher calls
+   ``.synchronize()``.
+P4 (no patch) ``model_parallel_cuda_manual_seed(seed)`` fails: ``CudaRNGStatesTracker.add``
+   calls ``torch.cuda.get_rng_state`` (``tensor_parallel/random.py:235``), and without a
+   tracker ``fork()`` raises "cuda rng state ... is not added" (``random.py:248``). Use
+   :func:`init_cpu_rng_tracker` instead; its ``fork()`` is a null context, so dropout inside
+   TP regions draws from the global CPU generator (tests use dropout 0).
+P5 ``WrappedTorchNorm`` (``transformer/torch_norm.py:32``) accepts ``sequence_parallel``.
+   Symptom: ``AssertionError: sequence parallel not supported by torch LayerNorm``. A norm acts
+   per token, so a sequence shard needs no change in forward; only the weight grads are partial
+   per TP rank. The built norm's params get ``sequence_parallel = True``, as Megatron's
+   ``FusedLayerNorm`` (``fusions/fused_layer_norm.py:119``) and TE's norms do, so
+   ``finalize_model_grads`` (``distributed/finalize_model_grads.py:354``) all-reduces them over
+   TP. Safe: only the SP case, which used to raise, changes. Verified: TP=2+SP and TP=1 give the
+   same losses and grad norms over 3 optimizer steps.
+P6 ``filesystem_async._process_memory`` returns 0, only when psutil is missing.
+   Symptom: ``dist_checkpointing.save`` hangs: the forked writer raises at
+   ``dist_checkpointing/strategies/filesystem_async.py:366,642`` and the parent waits forever.
+   Safe: the value is only logged at debug level (``:415``).
+P7 ``token_dispatcher.maybe_move_tensor_to_cpu`` honours ``as_numpy`` for CPU tensors.
+   Symptom: ``TypeError: all_to_all_single(): incompatible function arguments``: the original
+   (``moe_utils.py:1093``) converts only CUDA tensors, so the split sizes stay tensors.
+   Safe: CUDA tensors still take the original path.
+P8 ``fused_softmax.get_default_causal_mask`` / ``get_sliding_window_causal_mask`` build the
+   mask on CPU. Symptom: ``attention_mask=None`` into the local ``DotProductAttention`` hits
+   ``device="cuda"`` (``fusions/fused_softmax.py:322,327`` -> ``transformer/utils.py:35,40``).
+   Safe: the original runs, under :func:`cuda_device_to_cpu`.
+P9 ``clip_grad_by_total_norm_fp32`` without the ``'torch.cuda.FloatTensor'`` assert
+   (``optimizer/clip_grads.py:167``), rebound where ``optimizer/optimizer.py:50`` imported it;
+   same scaling, the dtype check kept as fp32. The other optimizer / clip / checkpoint-exchange
+   code creates tensors with ``device='cuda'`` (``optimizer/optimizer.py:473,481,485,907``,
+   ``optimizer/clip_grads.py:90,103,115,174,207``, ``utils.py:1207``,
+   ``dist_checkpointing/exchange_utils.py:104,110,326``,
+   ``dist_checkpointing/strategies/state_dict_saver.py:204``, ``tensor_parallel/data.py:37``):
+   run those calls inside :func:`cuda_device_to_cpu` rather than patching each one.
+
+Setup in a CPU test process (gloo, one process per rank)::
+
+    apply_cpu_patches()                      # before building any model
+    torch.distributed.init_process_group("gloo", ...)
+    parallel_state.initialize_model_parallel(...)
+    init_cpu_rng_tracker(seed)               # instead of model_parallel_cuda_manual_seed
+    model = GPTModel(config(use_cpu_initialization=True, ...))
+    with cuda_device_to_cpu():               # optimizer build + step, fully-parallel dist-ckpt
+        opt = get_megatron_optimizer(...); ...; opt.step()
+"""
+
+import contextlib
+import logging
+from typing import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["apply_cpu_patches", "cuda_device_to_cpu", "init_cpu_rng_tracker"]
+
+_applied = False
+
+
+def _is_cuda(device) -> bool:
+    """True for the ways Megatron names a CUDA device: "cuda", "cuda:0", torch.device, an index."""
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrite CUDA device arguments to CPU for every torch call made while active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:  # `t.cuda()` on CPU: the tensor already is where we run
+            return args[0]
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_device_to_cpu() -> Iterator[None]:
+    """Within the block, ``device='cuda'`` (or ``torch.device('cuda')``, ``'cuda:N'``, an int
+    index) given to any torch function becomes ``'cpu'``, ``t.cuda()`` returns ``t`` and
+    ``t.to('cuda')`` moves to CPU.
+
+    Use it around Megatron code that allocates scratch tensors on a hard-coded CUDA device:
+    ``get_megatron_optimizer`` and ``optimizer.step()`` (grad norm, clipping, found-inf),
+    fully-parallel dist-ckpt save/load wrappers, ``tensor_parallel.broadcast_data``. It is a
+    no-op when CUDA is available, so code wrapped in it runs unchanged on a GPU.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    with _CudaToCpuMode():
+        yield
+
+
+def init_cpu_rng_tracker(seed: int = 1234) -> None:
+    """Seed torch and install Megatron's RNG tracker in a form that works without CUDA (P4).
+
+    Call after ``parallel_state.initialize_model_parallel``, in place of
+    ``tensor_parallel.model_parallel_cuda_manual_seed(seed)``. It seeds the global CPU generator
+    (which ``use_cpu_initialization=True`` draws weights from), so every rank given the same
+    seed builds the same master weights. On CPU it then runs
+    ``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)``:
+    that tracker ignores ``add`` and its ``fork()`` is a null context, so no CUDA RNG state is
+    read, and dropout in TP regions draws from the global generator. With CUDA it runs the stock
+    ``model_parallel_cuda_manual_seed(seed, force_reset_rng=True)``, so tests stay portable.
+    """
+    from megatron.core.tensor_parallel import random as tp_random
+
+    torch.manual_seed(seed)
+    tp_random.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=not torch.cuda.is_available(), force_reset_rng=True
+    )
+
+
+class _CpuStream:
+    """Stand-in for ``torch.cuda.Stream`` and ``torch.cuda.Event`` on CPU: work is already done."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> "_CpuStream":
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+class _SequenceParallelOff:
+    """A read-only view of a TransformerConfig that reports ``sequence_parallel=False``."""
+
+    sequence_parallel = False
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def _p1_current_device() -> None:
+    # The whole process is CPU-only, so this stand-in cannot hide a GPU.
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def _p2_te_general_gemm() -> None:
+    from megatron.core.transformer.moe import moe_utils
+
+    # The name is unbound exactly when the TE import failed; never shadow a real one.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _p3_streams() -> None:
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _p5_sequence_parallel_torch_norm() -> None:
+    # Build the torch norm as without SP, then mark its params as TENorm would.
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    original_new = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        norm = original_new(cls, _SequenceParallelOff(config), hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def _p6_process_memory() -> None:
+    # Without psutil the async writer dies before reporting, and the save never returns.
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if not filesystem_async.HAVE_PSUTIL:
+        logger.warning("psutil is missing: dist-ckpt writer memory logging reports 0")
+        filesystem_async._process_memory = lambda: 0
+
+
+def _p7_split_sizes_as_numpy() -> None:
+    # The dispatcher imported the helper by name, so rebind it in the dispatcher's module.
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = token_dispatcher.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _p8_cpu_causal_masks() -> None:
+    # fused_softmax imported both helpers by name; run the originals with cuda -> cpu.
+    from megatron.core.fusions import fused_softmax
+
+    def on_cpu(fn):
+        def wrapper(*args, **kwargs):
+            with _CudaToCpuMode():
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    fused_softmax.get_default_causal_mask = on_cpu(fused_softmax.get_default_causal_mask)
+    fused_softmax.get_sliding_window_causal_mask = on_cpu(
+        fused_softmax.get_sliding_window_causal_mask
+    )
+
+
+def _p9_clip_grads() -> None:
+    # The only CUDA-specific thing in clipping is a type assert; keep its dtype meaning.
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.utils import to_local_if_dtensor
+
+    def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+        if isinstance(parameters, torch.Tensor):
+            parameters = [parameters]
+        attr = "decoupled_grad" if use_decoupled_grad else "grad"
+        dtypes = (torch.float32, torch.bfloat16) if use_decoupled_grad else (torch.float32,)
+        grads = []
+        for param in parameters:
+            grad = getattr(param, attr, None)
+            if grad is not None:
+                assert grad.dtype in dtypes, f"{attr} dtype {grad.dtype}, expected {dtypes}"
+                grads.append(to_local_if_dtensor(grad).detach())
+        clip_coeff = max_norm / (total_norm + 1.0e-6)
+        if clip_coeff < 1.0 and grads:
+            torch._foreach_mul_(grads, clip_coeff)
+
+    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+_PATCHES = (
+    _p1_current_device,
+    _p2_te_general_gemm,
+    _p3_streams,
+    _p5_sequence_parallel_torch_norm,
+    _p6_process_memory,
+    _p7_split_sizes_as_numpy,
+    _p8_cpu_causal_masks,
+    _p9_clip_grads,
+)
+
+
+def apply_cpu_patches() -> bool:
+    """Patch Megatron-Core so it runs on CPU; returns whether the patches are in effect.
+
+    Returns False and changes nothing when CUDA is available. Idempotent. Call it before
+    building models (P5 acts at construction time). See the module docstring for each patch.
+    """
+    global _applied
+    if torch.cuda.is_available():
+        logger.debug("CUDA is available: Megatron-Core CPU patches not applied")
+        return False
+    if not _applied:
+        for patch in _PATCHES:
+            patch()
+        _applied = True
+        logger.info("Megatron-Core CPU patches applied: %s", [p.__name__ for p in _PATCHES])
+    return True

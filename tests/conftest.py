@@ -1,0 +1,33 @@
+"""Shared fixtures: a one-rank gloo group with Megatron's parallel state for in-process tests."""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from tests._dist import free_port
+
+warnings.filterwarnings("ignore", message="Apex is not installed")
+
+
+@pytest.fixture(scope="session")
+def single_rank():
+    """Megatron parallel state at TP=1/EP=1 on a world of one process (gloo, CPU)."""
+    import torch.distributed as dist
+
+    from tests._models import init_parallel
+
+    if not dist.is_initialized():
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_parallel(tp=1, ep=1)
+    yield
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,153 @@
+"""Per-rank bodies of the distributed tests (module level, so spawned processes can import them).
+
+Equivalence method: a TP=1/EP=1 reference model computes the loss and every gradient on the global
+batch; its weights go through a `torch_dist` checkpoint into the parallel layout (Megatron's own
+resharding); the parallel model runs with real DDP and `finalize_model_grads`; its gradients are
+written into a model-shaped checkpoint and read back at TP=1, so each gradient is compared as one
+full tensor against the reference.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+from megatron_mea.cpu import cuda_device_to_cpu
+from tests._models import (
+    batch,
+    build_gpt,
+    forward_loss,
+    init_parallel,
+    load_dist,
+    perturb_plugin_params,
+    save_dist,
+    tiny_config,
+)
+
+
+def _ddp(config, model):
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
+    return DistributedDataParallel(config, ddp_config, model)
+
+
+def _my_sequences(num_sequences):
+    """This rank's data-parallel slice of the global batch."""
+    dp_rank = parallel_state.get_data_parallel_rank()
+    per_rank = num_sequences // parallel_state.get_data_parallel_world_size()
+    return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+
+
+def equivalence(rank, world_size, variants, tp, ep, sp, workdir):
+    """For each (name, fields): reference vs parallel losses and max |grad diff| per parameter."""
+    results = {}
+    tokens, labels = batch(num_sequences=2)
+    for name, fields in variants:
+        root = os.path.join(workdir, name)
+        init_parallel(tp=1, ep=1)
+        reference = build_gpt(tiny_config(**fields))
+        perturb_plugin_params(reference)
+        ref_losses = forward_loss(reference, tokens, labels)
+        ref_losses.mean().backward()
+        ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        save_dist(reference, os.path.join(root, "weights"))
+
+        init_parallel(tp=tp, ep=ep)
+        config = tiny_config(**fields, tp=tp, ep=ep, sp=sp)
+        parallel = build_gpt(config)
+        load_dist(parallel, os.path.join(root, "weights"))
+        model = _ddp(config, parallel)
+        mine = _my_sequences(tokens.shape[0])
+        losses = forward_loss(model, tokens[mine], labels[mine])
+        losses.mean().backward()
+        finalize_model_grads([model])
+        with torch.no_grad():
+            for param in parallel.parameters():
+                param.copy_(param.main_grad)
+        save_dist(parallel, os.path.join(root, "grads"))
+
+        init_parallel(tp=1, ep=1)
+        gathered = build_gpt(tiny_config(**fields))
+        load_dist(gathered, os.path.join(root, "grads"))
+        grad_diff = {
+            n: (p.detach() - ref_grads[n]).abs().max().item()
+            for n, p in gathered.named_parameters()
+        }
+        grad_scale = max(g.abs().max().item() for g in ref_grads.values())
+        results[name] = dict(
+            losses=losses.detach(),
+            ref_losses=ref_losses.detach()[mine],
+            grad_diff=grad_diff,
+            grad_scale=grad_scale,
+        )
+    return results
+
+
+def replicas_after_steps(rank, world_size, variants, sp, moe, steps):
+    """Train a few optimizer steps at TP=world; return, per variant, whether every TP-replicated
+    plugin parameter is bit-identical across ranks and how far it moved from its init."""
+    results = {}
+    for name, fields in variants:
+        init_parallel(tp=world_size, ep=1)
+        config = tiny_config(**fields, tp=world_size, sp=sp, moe=moe)
+        model = _ddp(config, build_gpt(config))
+        replicated = {
+            n: p for n, p in model.module.named_parameters() if ("head_mix." in n or "knock." in n)
+        }
+        initial = {n: p.detach().clone() for n, p in replicated.items()}
+        with cuda_device_to_cpu():
+            optimizer = get_megatron_optimizer(
+                OptimizerConfig(optimizer="adam", lr=3e-2, weight_decay=0.1, clip_grad=1.0),
+                [model],
+            )
+            for step in range(steps):
+                tokens, labels = batch(num_sequences=2, seed=100 + step)
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                forward_loss(model, tokens, labels).mean().backward()
+                finalize_model_grads([model])
+                optimizer.step()
+        identical, moved = {}, {}
+        for n, p in replicated.items():
+            copies = [torch.empty_like(p) for _ in range(world_size)]
+            dist.all_gather(copies, p.detach().contiguous())
+            identical[n] = all(torch.equal(copies[0], c) for c in copies[1:])
+            moved[n] = (p.detach() - initial[n]).abs().max().item()
+        results[name] = dict(identical=identical, moved=moved)
+    return results
+
+
+def checkpoint_round_trip(rank, world_size, fields, workdir):
+    """TP2/SP/EP2 -> TP1 -> TP2/SP/EP2 through `torch_dist` checkpoints: losses and weights."""
+    tokens, labels = batch(num_sequences=2)
+    init_parallel(tp=2, ep=2)
+    config = tiny_config(**fields, tp=2, ep=2, sp=True)
+    first = build_gpt(config)
+    perturb_plugin_params(first, scale=0.5)  # differently on each TP rank's shard: fine here
+    mine = _my_sequences(tokens.shape[0])
+    with torch.no_grad():
+        loss_first = forward_loss(first, tokens[mine], labels[mine])
+    save_dist(first, os.path.join(workdir, "tp2"))
+    state_first = {k: v.clone() for k, v in first.state_dict().items() if torch.is_tensor(v)}
+
+    init_parallel(tp=1, ep=1)
+    middle = build_gpt(tiny_config(**fields))
+    load_dist(middle, os.path.join(workdir, "tp2"))
+    with torch.no_grad():
+        loss_middle = forward_loss(middle, tokens, labels)[mine]
+    save_dist(middle, os.path.join(workdir, "tp1"))
+
+    init_parallel(tp=2, ep=2)
+    last = build_gpt(config)
+    load_dist(last, os.path.join(workdir, "tp1"))
+    with torch.no_grad():
+        loss_last = forward_loss(last, tokens[mine], labels[mine])
+    state_last = {k: v for k, v in last.state_dict().items() if torch.is_tensor(v)}
+    same = all(torch.equal(state_first[k], state_last[k]) for k in state_first)
+    return dict(
+        loss_first=loss_first, loss_middle=loss_middle, loss_last=loss_last,
+        same_state=same, keys=sorted(state_first) == sorted(state_last),
+    )
