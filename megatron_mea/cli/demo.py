@@ -1,114 +1,169 @@
-"""`make demo` until the training driver lands: build each variant on CPU and show what it does.
+"""`make demo`: pretrain a small MoE GPT with MEA, KHA and the plain baseline on real text, on CPU.
 
-Builds a small MoE GPT (Megatron-Core, local spec, one gloo process) as the plain baseline, MEA,
-MEA with virtual heads, KHA-Linear and KHA-MLP; prints their parameter and KV-cache sizes,
-checks that the identity-initialised variants compute exactly the baseline, and takes a few
-optimizer steps on a fixed batch so the losses can be compared.
+1. Build a corpus from the Python standard library's source and documentation on this machine.
+2. Preprocess it into Megatron `.bin/.idx` files with the built-in byte-level tokenizer.
+3. Run `mea-pretrain` (a subprocess each, the real CLI) for every variant: same data, same seed.
+4. Print a summary table and save a loss-curve PNG.
+
+    python -m megatron_mea.cli.demo [--out runs/demo] [--train-iters 300] [--variants mea kha]
 """
 
+import argparse
+import json
 import os
-import socket
+import subprocess
+import sys
 import time
-import warnings
 
-import torch
+import yaml
 
-VARIANTS = [
-    ("baseline", dict(attention_variant="standard")),
-    ("mea", dict(attention_variant="mea", mea_head_norm=False)),
-    ("mea+head-norm", dict(attention_variant="mea")),
-    ("mea-virtual nc=2", dict(attention_variant="mea", mea_num_kv_components=2)),
-    ("kha-linear", dict(attention_variant="kha", kha_variant="linear")),
-    ("kha-mlp", dict(attention_variant="kha", kha_variant="mlp")),
-]
+# A CPU-sized MoE GPT: 4 layers (2 MoE), 8 query heads / 4 KV groups, 4 experts top-2.
+DEMO_CONFIG = {
+    "num_layers": 4,
+    "hidden_size": 128,
+    "ffn_hidden_size": 256,
+    "num_attention_heads": 8,
+    "num_query_groups": 4,
+    "seq_length": 128,
+    "num_experts": 4,
+    "moe_router_topk": 2,
+    "moe_ffn_hidden_size": 128,
+    "moe_layer_freq": 2,
+    "moe_aux_loss_coeff": 0.01,
+    "micro_batch_size": 8,
+    "global_batch_size": 16,
+    "train_iters": 300,
+    "lr": 2e-3,
+    "min_lr": 2e-4,
+    "lr_warmup_fraction": 0.05,
+    "weight_decay": 0.1,
+    "clip_grad": 1.0,
+    "seed": 1234,
+    "split": "98,2,0",
+    "tokenizer_type": "ByteLevelTokenizer",
+    "eval_interval": 50,
+    "eval_iters": 4,
+    "log_interval": 50,
+    "save_interval": 150,
+}
 
-PLAN = """What `make demo` will run once the training driver lands (issue 3):
-  1. build a corpus from the Python standard library's source and docs on this machine,
-  2. preprocess it into Megatron .bin/.idx files with the built-in byte-level tokenizer,
-  3. pretrain a small MoE GPT with MEA, KHA and the plain baseline (same data, same seed) for a few
-     hundred steps on CPU, with torch_dist checkpoints and TensorBoard logs,
-  4. print a summary table (final train / validation loss, tokens/s) and save a loss-curve PNG."""
+VARIANTS = {
+    "baseline": ["--attention-variant", "standard"],
+    "mea": ["--attention-variant", "mea"],
+    "kha": ["--attention-variant", "kha"],
+}
 
 
-def _init_single_process():
-    from megatron.core import parallel_state
+def prepare_data(out: str, max_bytes: int) -> str:
+    """Corpus -> `.bin/.idx`; returns the dataset prefix (reused if already built)."""
+    from megatron_mea.data import build_stdlib_corpus, build_tokenizer, preprocess_files
 
-    from megatron_mea.cpu import apply_cpu_patches, init_cpu_rng_tracker
-
-    apply_cpu_patches()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    torch.distributed.init_process_group("gloo")
-    parallel_state.initialize_model_parallel()
-    init_cpu_rng_tracker(1234)
-
-
-def _build(fields):
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_mea import MEATransformerConfig, get_gpt_decoder_block_spec
-
-    config = MEATransformerConfig(
-        num_layers=2, hidden_size=128, num_attention_heads=8, num_query_groups=4,
-        ffn_hidden_size=256, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128,
-        moe_router_load_balancing_type="none", normalization="RMSNorm", qk_layernorm=True,
-        add_bias_linear=False, use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, bias_dropout_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, **fields,
+    prefix = os.path.join(out, "data", "stdlib_text_document")
+    if os.path.exists(prefix + ".idx"):
+        print(f"[demo] reusing {prefix}.bin/.idx")
+        return prefix
+    corpus = os.path.join(out, "data", "stdlib_corpus.jsonl")
+    os.makedirs(os.path.dirname(corpus), exist_ok=True)
+    documents, size = build_stdlib_corpus(corpus, max_bytes=max_bytes)
+    print(f"[demo] corpus: {documents} documents, {size / 2**20:.1f} MiB of stdlib source and docs")
+    summary = preprocess_files(
+        [corpus], prefix, build_tokenizer("ByteLevelTokenizer"), append_eod=True
     )
-    torch.manual_seed(1234)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256,
-                     max_sequence_length=64, position_embedding_type="rope")
-    return config, model
+    print(f"[demo] preprocessed: {summary.documents} documents, {summary.tokens} tokens")
+    return prefix
 
 
-def main():
-    warnings.filterwarnings("ignore")
-    print(PLAN, "\n")
-    _init_single_process()
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (4, 65), generator=gen)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(64).expand_as(inputs)
-    baseline_logits = None
-    print(f"{'variant':<18}{'params':>9}{'KV cache B/token':>18}{'same as baseline':>18}"
-          f"{'loss@0':>9}{'loss@20':>9}{'s/step':>8}")
-    for name, fields in VARIANTS:
-        config, model = _build(fields)
-        own = model.state_dict()
-        if baseline_logits is None:
-            # Cloned: the baseline trains in place below.
-            baseline_state = {k: v.clone() if torch.is_tensor(v) else v for k, v in own.items()}
-        shared = {k: v for k, v in baseline_state.items() if k in own and (
-            not torch.is_tensor(v) or v.shape == own[k].shape)}
-        model.load_state_dict(shared, strict=False)
-        with torch.no_grad():
-            logits = model(inputs, positions, attention_mask=None)
-        if baseline_logits is None:
-            baseline_logits = logits
-        if len(shared) < len(baseline_state):
-            identical = "other K/V shape"
-        else:
-            identical = "exact" if torch.equal(logits, baseline_logits) else "no (head norm)"
-        kv_heads = getattr(config, "mea_num_kv_components", None) or config.num_query_groups
-        kv_bytes = 2 * config.num_layers * kv_heads * config.kv_channels * 2  # bf16 K and V
-        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
-        losses, start = [], time.perf_counter()
-        for _ in range(21):
-            loss = model(inputs, positions, attention_mask=None, labels=labels).mean()
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-        seconds = (time.perf_counter() - start) / 21
-        count = sum(p.numel() for p in model.parameters())
-        print(f"{name:<18}{count:>9}{kv_bytes:>18}{identical:>18}"
-              f"{losses[0]:>9.3f}{losses[-1]:>9.3f}{seconds:>8.3f}")
-    torch.distributed.destroy_process_group()
+def run_variant(name: str, flags, config_path: str, prefix: str, out: str, iters: int) -> dict:
+    """Train one variant through the real CLI; returns its metrics."""
+    run_dir = os.path.join(out, "runs", name)
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    command = [
+        sys.executable, "-m", "megatron_mea.pretrain", "--config", config_path,
+        "--data-path", prefix, "--train-iters", str(iters), "--save", run_dir,
+        "--tensorboard-dir", os.path.join(out, "tensorboard", name), *flags,
+    ]
+    print(f"\n[demo] {name}: {' '.join(command[1:])}", flush=True)
+    start = time.perf_counter()
+    subprocess.run(command, check=True)
+    with open(metrics, encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle]
+    return {"records": records, "seconds": time.perf_counter() - start}
+
+
+def summarize(results: dict) -> str:
+    """The summary table: final train / validation loss and throughput per variant."""
+    lines = [f"{'variant':<10}{'train loss':>12}{'valid loss':>12}{'tokens/s':>10}{'wall s':>8}"]
+    for name, result in results.items():
+        records = result["records"]
+        tail = records[-10:]
+        train = sum(r["lm loss"] for r in tail) / len(tail)
+        valid = [r["valid loss"] for r in records if "valid loss" in r][-1]
+        rates = sorted(r["tokens/s"] for r in records)
+        lines.append(
+            f"{name:<10}{train:>12.4f}{valid:>12.4f}{rates[len(rates) // 2]:>10.0f}"
+            f"{result['seconds']:>8.0f}"
+        )
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+    """Training loss (smoothed) and validation loss per variant, one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for name, result in results.items():
+        records = result["records"]
+        steps = [r["iteration"] for r in records]
+        loss = [r["lm loss"] for r in records]
+        window = 10
+        smooth = [sum(loss[max(0, i - window + 1): i + 1]) / len(loss[max(0, i - window + 1): i + 1])
+                  for i in range(len(loss))]
+        line, = ax.plot(steps, smooth, label=f"{name} train")
+        valid = [(r["iteration"], r["valid loss"]) for r in records if "valid loss" in r]
+        ax.plot(*zip(*valid), "o--", color=line.get_color(), label=f"{name} valid")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("loss (nats / byte)")
+    ax.set_title("MoE GPT on Python stdlib text, CPU: baseline vs MEA vs KHA")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    """Run the whole demo; returns a process exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="runs/demo")
+    parser.add_argument("--train-iters", type=int, default=DEMO_CONFIG["train_iters"])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--corpus-bytes", type=int, default=8 * 2**20)
+    args = parser.parse_args(argv)
+
+    os.makedirs(args.out, exist_ok=True)
+    start = time.perf_counter()
+    prefix = prepare_data(args.out, args.corpus_bytes)
+    config_path = os.path.join(args.out, "demo.yaml")
+    with open(config_path, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(DEMO_CONFIG, handle, sort_keys=False)
+    results = {
+        name: run_variant(name, VARIANTS[name], config_path, prefix, args.out, args.train_iters)
+        for name in args.variants
+    }
+    table = summarize(results)
+    png = os.path.join(args.out, "loss_curves.png")
+    plot(results, png)
+    with open(os.path.join(args.out, "summary.txt"), "w", encoding="utf-8") as handle:
+        handle.write(table + "\n")
+    print("\n" + table)
+    print(f"\n[demo] loss curves: {png}; TensorBoard: {os.path.join(args.out, 'tensorboard')}")
+    print(f"[demo] total {time.perf_counter() - start:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""`mea-pretrain`: Megatron-Core pretraining with MEA / KHA (arguments, model, loop, checkpoints)."""

@@ -1,0 +1,283 @@
+"""Arguments of `mea-pretrain`: one typed dataclass, Megatron-LM's flag names, YAML + CLI.
+
+A run is configured by an optional YAML file (keys are flag names with `-` or `_`) and command-line
+flags that override it. Everything is validated before any process group or model exists; the
+resolved arguments are saved next to the checkpoints (`<save>/config.yaml`).
+"""
+
+import argparse
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import yaml
+
+from megatron_mea.config import ATTENTION_VARIANTS, KHA_VARIANTS, MEA_MIX_INITS, MEA_TP_EXCHANGES
+
+
+@dataclass
+class PretrainArgs:
+    """All settings of a pretraining run (defaults: a CPU-sized MoE GPT on mock data)."""
+
+    # ---- model -------------------------------------------------------------------------------
+    num_layers: int = 2
+    hidden_size: int = 128
+    ffn_hidden_size: Optional[int] = None
+    num_attention_heads: int = 8
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = None
+    normalization: str = "RMSNorm"
+    qk_layernorm: bool = True
+    swiglu: bool = True
+    untie_embeddings_and_output_weights: bool = True
+    position_embedding_type: str = "rope"
+    rotary_base: int = 10000
+    init_method_std: float = 0.02
+    num_experts: Optional[int] = 4
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_layer_freq: int = 1
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 1e-2
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_grouped_gemm: bool = False
+    # ---- attention variant (MEATransformerConfig fields) --------------------------------------
+    attention_variant: str = "standard"
+    mea_num_kv_components: Optional[int] = None
+    mea_mix_init: Optional[str] = None
+    mea_head_norm: bool = True
+    mea_tp_exchange: str = "activations"
+    kha_variant: Optional[str] = None
+    kha_targets: Optional[List[str]] = None
+    no_decay_plugin_matrices: bool = False
+    """Exempt head_mix / knock matrices from weight decay (Megatron decays every 2-D param)."""
+    # ---- parallelism --------------------------------------------------------------------------
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    # ---- precision ----------------------------------------------------------------------------
+    bf16: bool = False
+    fp8_format: Optional[str] = None
+    fp8_recipe: str = "delayed"
+    transformer_impl: str = "local"
+    # ---- optimisation -------------------------------------------------------------------------
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+    train_iters: int = 100
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_fraction: float = 0.05
+    lr_decay_style: str = "cosine"
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    # ---- data ---------------------------------------------------------------------------------
+    data_path: Optional[List[str]] = None
+    split: str = "969,30,1"
+    mock_data: bool = False
+    tokenizer_type: str = "ByteLevelTokenizer"
+    tokenizer_model: Optional[str] = None
+    vocab_size: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    data_cache_path: Optional[str] = None
+    # ---- checkpoints, evaluation, logging -----------------------------------------------------
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    eval_interval: int = 50
+    eval_iters: int = 5
+    log_interval: int = 10
+    tensorboard_dir: Optional[str] = None
+    no_progress_bar: bool = False
+    exit_interval: Optional[int] = None
+    """Stop (after saving) once this many iterations have run in this process; for tests and
+    preemption drills."""
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Vocabulary padded to a multiple of `make_vocab_size_divisible_by`.
+
+        Unlike Megatron-LM, the multiple does not grow with the TP size, so a checkpoint keeps
+        the same vocabulary rows when it is resumed at another TP layout (validation checks the
+        multiple is divisible by TP)."""
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
+
+
+_CHOICES = {
+    "attention_variant": ATTENTION_VARIANTS,
+    "mea_mix_init": MEA_MIX_INITS,
+    "mea_tp_exchange": MEA_TP_EXCHANGES,
+    "kha_variant": KHA_VARIANTS,
+    "normalization": ("LayerNorm", "RMSNorm"),
+    "position_embedding_type": ("rope", "learned_absolute", "none"),
+    "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
+    "transformer_impl": ("local", "transformer_engine"),
+    "moe_token_dispatcher_type": ("allgather", "alltoall"),
+    "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
+    "tokenizer_type": ("ByteLevelTokenizer", "HuggingFaceTokenizer"),
+    "fp8_format": ("e4m3", "hybrid"),
+    "fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+}
+
+
+def _base_type(annotation):
+    """(python type, is_list) of a field annotation such as Optional[List[str]]."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) is typing.Union:
+        return _base_type(args[0])
+    if typing.get_origin(annotation) in (list, List):
+        return args[0], True
+    return annotation, False
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser: one flag per `PretrainArgs` field (dest = field name), defaults
+    SUPPRESSed so that only what the user typed overrides the YAML file."""
+    parser = argparse.ArgumentParser(
+        prog="mea-pretrain",
+        description="Megatron-Core pretraining with MEA / KHA attention.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="YAML file of flag: value pairs (flags override it)")
+    for f in dataclasses.fields(PretrainArgs):
+        kind, is_list = _base_type(f.type)
+        if kind is bool:
+            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction)
+            continue
+        kwargs = dict(dest=f.name, type=kind, choices=_CHOICES.get(f.name))
+        if is_list:
+            kwargs["nargs"] = "+"
+        parser.add_argument(_flag(f.name), **kwargs)
+    return parser
+
+
+def _coerce(name: str, value, annotation):
+    """Type-check one YAML value; raise ValueError naming the key."""
+    kind, is_list = _base_type(annotation)
+    if value is None:
+        return None
+    if is_list:
+        value = value if isinstance(value, list) else [value]
+        return [_coerce(name, v, kind) for v in value]
+    if kind is bool and not isinstance(value, bool):
+        raise ValueError(f"{name}: expected true/false, got {value!r}")
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def load_yaml(path: str) -> dict:
+    """Read a YAML config (safe loader); keys may use `-` or `_`; unknown keys are an error."""
+    with open(path, encoding="utf-8") as handle:
+        raw = yaml.safe_load(handle) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a mapping of flag: value, got {type(raw).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(PretrainArgs)}
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in fields:
+            raise ValueError(f"{path}: unknown setting {key!r}")
+        values[name] = _coerce(f"{path}: {key}", value, fields[name].type)
+    return values
+
+
+def parse_args(argv: Optional[List[str]] = None) -> PretrainArgs:
+    """YAML (if `--config`) overridden by command-line flags, then validated."""
+    namespace = vars(build_parser().parse_args(argv))
+    values = load_yaml(namespace.pop("config")) if "config" in namespace else {}
+    values.update(namespace)
+    for name, choices in _CHOICES.items():
+        if values.get(name) is not None and values[name] not in choices:
+            raise ValueError(f"{name} ({values[name]!r}) must be one of {choices}")
+    args = PretrainArgs(**values)
+    validate(args)
+    return args
+
+
+def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
+    """Check everything that can be checked before launch; ValueError names the flag."""
+    world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    model_parallel = (
+        args.tensor_model_parallel_size
+        * args.pipeline_model_parallel_size
+        * args.context_parallel_size
+    )
+    if world_size % model_parallel:
+        raise ValueError(
+            f"world size ({world_size}) must be divisible by tensor_model_parallel_size x "
+            f"pipeline_model_parallel_size x context_parallel_size ({model_parallel})"
+        )
+    dp = world_size // model_parallel
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ValueError(
+            f"global_batch_size ({args.global_batch_size}) must be divisible by "
+            f"micro_batch_size ({args.micro_batch_size}) x data-parallel size ({dp})"
+        )
+    if args.make_vocab_size_divisible_by % args.tensor_model_parallel_size:
+        raise ValueError(
+            f"make_vocab_size_divisible_by ({args.make_vocab_size_divisible_by}) must be "
+            f"divisible by tensor_model_parallel_size ({args.tensor_model_parallel_size})"
+        )
+    if not args.mock_data and not args.data_path:
+        raise ValueError("data_path is required unless mock_data is set")
+    for name in ("train_iters", "micro_batch_size", "log_interval", "eval_interval", "seq_length"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} ({getattr(args, name)}) must be >= 1")
+    if args.save_interval is not None and args.save_interval < 1:
+        raise ValueError(f"save_interval ({args.save_interval}) must be >= 1")
+    if args.save_interval and not args.save:
+        raise ValueError("save_interval needs save (a checkpoint directory)")
+    if not 0.0 <= args.lr_warmup_fraction < 1.0:
+        raise ValueError(f"lr_warmup_fraction ({args.lr_warmup_fraction}) must be in [0, 1)")
+    if args.min_lr > args.lr:
+        raise ValueError(f"min_lr ({args.min_lr}) must not exceed lr ({args.lr})")
+    if args.fp8_format and args.transformer_impl != "transformer_engine":
+        raise ValueError("fp8_format needs transformer_impl=transformer_engine")
+    for path_flag in ("data_path",):
+        for path in getattr(args, path_flag) or []:
+            if not _is_weight(path) and not os.path.exists(path + ".idx"):
+                raise ValueError(f"{path_flag}: no dataset at {path!r} (missing {path}.idx)")
+    # The model config validates the architecture and the variant fields (without any process).
+    from megatron_mea.training.model import transformer_config
+
+    transformer_config(args, world_size=world_size)
+
+
+def _is_weight(token: str) -> bool:
+    try:
+        float(token)
+        return True
+    except ValueError:
+        return False
+
+
+def save_config(args: PretrainArgs, directory: str) -> str:
+    """Write the resolved arguments to `<directory>/config.yaml` (atomically)."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "config.yaml")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        yaml.safe_dump(dataclasses.asdict(args), handle, sort_keys=False)
+    os.replace(tmp, path)
+    return path

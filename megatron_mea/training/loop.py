@@ -1,0 +1,316 @@
+"""The pretraining loop of `mea-pretrain`, on Megatron-Core's own components.
+
+GPTModel + DDP + Megatron optimizer + `OptimizerParamScheduler`; every step runs the pipeline
+schedules' `forward_backward_func` (micro-batches, gradient accumulation, PP), then the optimizer.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+from megatron_mea.cpu import apply_cpu_patches, cuda_device_to_cpu, init_cpu_rng_tracker
+from megatron_mea.training import checkpointing
+from megatron_mea.training.arguments import PretrainArgs, save_config
+from megatron_mea.training.batches import MicroBatches
+from megatron_mea.training.model import (
+    build_model,
+    build_optimizer,
+    build_scheduler,
+    transformer_config,
+    wrap_ddp,
+)
+from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
+
+logger = logging.getLogger(__name__)
+
+AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+def initialize(args: PretrainArgs) -> None:
+    """Process group (NCCL on GPUs, gloo on CPU), Megatron's parallel state and seeds."""
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        apply_cpu_patches()
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:  # a plain `python -m`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+    # Same seed on every rank: replicated parameters start identical (Megatron-LM offsets the
+    # seed by pipeline stage only).
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if on_gpu:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        init_cpu_rng_tracker(seed)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_masked_mean_loss, batch["loss_mask"])
+
+
+def _masked_mean_loss(loss_mask, per_token_loss):
+    mask = loss_mask.float().view(-1)
+    loss = torch.sum(per_token_loss.float().view(-1) * mask) / mask.sum().clamp(min=1.0)
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _mean_over_data_parallel(loss_dicts) -> float:
+    """Average 'lm loss' over micro-batches and data-parallel ranks, visible on every rank."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    value = torch.zeros(1, device=device)
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and loss_dicts:
+        value += torch.stack([d["lm loss"] for d in loss_dicts]).mean()
+        value /= parallel_state.get_data_parallel_world_size()
+        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+    # Only the last stage holds losses; a sum over the pipeline shares its value.
+    dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
+    return value.item()
+
+
+class Trainer:
+    """One pretraining run: build, (resume,) train, evaluate, checkpoint."""
+
+    def __init__(self, args: PretrainArgs):
+        self.args = args
+        initialize(args)
+        from megatron_mea.data import build_gpt_datasets, build_tokenizer
+
+        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        if args.vocab_size is None:
+            args.vocab_size = self.tokenizer.vocab_size
+        self.rank = dist.get_rank()
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
+        self.config = transformer_config(args, dist.get_world_size())
+        model = build_model(
+            args,
+            self.config,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        )
+        self.model = wrap_ddp(args, self.config, model)
+        with cuda_device_to_cpu():
+            self.optimizer = build_optimizer(args, [self.model])
+        self.scheduler = build_scheduler(args, self.optimizer)
+        self.config.no_sync_func = self.model.no_sync
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+
+        self.iteration, consumed = 0, 0
+        if args.load and checkpointing.latest_iteration(args.load) is not None:
+            self.iteration, consumed = checkpointing.load_checkpoint(
+                args.load, self.model.module, self.optimizer, self.scheduler,
+                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+            )
+        eval_runs = args.train_iters // args.eval_interval + 1
+        build = partial(
+            build_gpt_datasets,
+            args.data_path,
+            args.split,
+            args.seq_length,
+            self.tokenizer,
+            args.train_iters * args.global_batch_size,
+            eval_runs * args.eval_iters * args.global_batch_size,
+            0,
+            args.seed,
+            args.mock_data,
+            args.data_cache_path,
+        )
+        # Rank 0 writes the dataset index caches; the others read them.
+        if self.rank == 0:
+            datasets = build()
+        dist.barrier()
+        if self.rank != 0:
+            datasets = build()
+        self.train_data, self.valid_data = datasets[0], datasets[1]
+        dp_rank = parallel_state.get_data_parallel_rank()
+        self.train_batches = MicroBatches(
+            self.train_data, args.micro_batch_size, dp_rank, self.dp_size, consumed
+        )
+        self.valid_consumed = 0
+        self.forward_backward = get_forward_backward_func()
+        self.telemetry = GpuTelemetry()
+        self.tensorboard = TensorBoard(args.tensorboard_dir if self.rank == 0 else None)
+        self.moe_track_names = (
+            ["load_balancing_loss"]
+            if args.num_experts
+            and args.moe_router_load_balancing_type in AUX_LOSS_TYPES
+            and args.moe_aux_loss_coeff > 0
+            else []
+        )
+        if args.save and self.rank == 0:
+            save_config(args, args.save)
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def train_step(self) -> dict:
+        """One optimizer step over `num_microbatches` micro-batches; returns its scalars."""
+        args = self.args
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        # The schedules and the optimizer allocate small scratch tensors on "cuda" (a no-op
+        # context on GPUs; see megatron_mea.cpu).
+        with cuda_device_to_cpu():
+            loss_dicts = self.forward_backward(
+                forward_step_func=_forward_step,
+                data_iterator=self.train_batches,
+                model=[self.model],
+                num_microbatches=self.num_microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=False,
+            )
+            update_ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        scalars = {
+            "lm loss": _mean_over_data_parallel(loss_dicts),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "skipped": int(not update_ok),
+        }
+        if self.moe_track_names:
+            moe = {}
+            with cuda_device_to_cpu():
+                track_moe_metrics(
+                    loss_scale=1.0 / self.num_microbatches,
+                    iteration=self.iteration,
+                    total_loss_dict=moe,
+                    force_initialize=True,
+                    track_names=self.moe_track_names,
+                    num_layers=args.num_layers,
+                    moe_layer_freq=args.moe_layer_freq,
+                )
+            scalars.update({name: float(value) for name, value in moe.items()})
+        return scalars
+
+    def evaluate(self) -> float:
+        """Mean validation loss over `eval_iters` global batches (no gradients)."""
+        args = self.args
+        batches = MicroBatches(
+            self.valid_data, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
+            self.dp_size, self.valid_consumed,
+        )
+        losses = []
+        for _ in range(args.eval_iters):
+            with torch.no_grad(), cuda_device_to_cpu():
+                loss_dicts = self.forward_backward(
+                    forward_step_func=_forward_step,
+                    data_iterator=batches,
+                    model=[self.model],
+                    num_microbatches=self.num_microbatches,
+                    seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size,
+                    forward_only=True,
+                )
+            losses.append(_mean_over_data_parallel(loss_dicts))
+        self.valid_consumed = batches.consumed_samples
+        return sum(losses) / len(losses)
+
+    # ---- the run -----------------------------------------------------------------------------
+
+    def train(self) -> list:
+        """Train to `train_iters` (or `exit_interval` more steps); returns the per-step history."""
+        args = self.args
+        history, started_at = [], self.iteration
+        tokens_per_step = args.global_batch_size * args.seq_length
+        progress = None
+        if self.rank == 0 and not args.no_progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=args.train_iters, initial=self.iteration, unit="step",
+                            dynamic_ncols=True, desc=args.attention_variant)
+        metrics_path = os.path.join(args.save, "metrics.jsonl") if args.save else None
+        window_start = time.perf_counter()
+        while self.iteration < args.train_iters:
+            scalars = self.train_step()
+            self.iteration += 1
+            elapsed = time.perf_counter() - window_start
+            window_start = time.perf_counter()
+            scalars["tokens/s"] = tokens_per_step / elapsed
+            scalars.update(self.telemetry.read())
+            if self.iteration % args.eval_interval == 0 or self.iteration == args.train_iters:
+                scalars["valid loss"] = self.evaluate()
+                window_start = time.perf_counter()
+            record = {"iteration": self.iteration, **scalars}
+            history.append(record)
+            if self.rank == 0:
+                self._report(record, progress, metrics_path)
+            done = self.iteration >= args.train_iters
+            stop = args.exit_interval and self.iteration - started_at >= args.exit_interval
+            if args.save and (
+                done or stop or (args.save_interval and self.iteration % args.save_interval == 0)
+            ):
+                checkpointing.save_checkpoint(
+                    args.save, self.iteration, self.model.module, self.optimizer,
+                    self.scheduler, self.train_batches.consumed_samples,
+                )
+            if stop:
+                break
+        if progress is not None:
+            progress.close()
+        self.tensorboard.close()
+        return history
+
+    def _report(self, record, progress, metrics_path):
+        args = self.args
+        scalars = {k: v for k, v in record.items() if k != "iteration"}
+        self.tensorboard.add(scalars, record["iteration"])
+        if metrics_path:
+            with open(metrics_path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{record['lm loss']:.3f}")
+        if record["iteration"] % args.log_interval == 0 or "valid loss" in record:
+            line = format_line(record["iteration"], args.train_iters, scalars)
+            (progress.write if progress is not None else logger.info)(line)
+
+
+def pretrain(args: PretrainArgs) -> list:
+    """Run a whole pretraining job; returns the history of this process's steps."""
+    trainer = Trainer(args)
+    try:
+        return trainer.train()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def args_dict(args: PretrainArgs) -> dict:
+    """The arguments as a plain dict (for logs and summaries)."""
+    return dataclasses.asdict(args)

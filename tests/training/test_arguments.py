@@ -1,0 +1,71 @@
+"""`mea-pretrain` arguments: YAML + flags, Megatron-LM names, validated before anything starts."""
+
+import pytest
+import yaml
+
+from megatron_mea.training.arguments import PretrainArgs, build_parser, parse_args, save_config
+
+MOCK = ["--mock-data", "--vocab-size", "128"]
+
+
+def test_flags_use_megatron_lm_names_and_override_yaml(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"hidden-size": 64, "num_attention_heads": 4, "lr": 1e-3,
+                                      "attention-variant": "mea"}))
+    args = parse_args(["--config", str(config), "--lr", "3e-3", "--tensor-model-parallel-size",
+                       "1", "--no-qk-layernorm", *MOCK])
+    assert (args.hidden_size, args.num_attention_heads, args.lr) == (64, 4, 3e-3)
+    assert args.attention_variant == "mea" and args.qk_layernorm is False
+
+
+def test_every_field_has_a_flag():
+    flags = {a.dest for a in build_parser()._actions}
+    assert {f for f in PretrainArgs.__dataclass_fields__} <= flags
+
+
+def test_config_is_saved_and_reloads_to_the_same_arguments(tmp_path):
+    args = parse_args(["--attention-variant", "kha", "--kha-variant", "linear", "--kha-targets", "q",
+                       "v", *MOCK])
+    path = save_config(args, str(tmp_path))
+    assert parse_args(["--config", path]) == args
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--global-batch-size", "6", "--micro-batch-size", "4", *MOCK],
+         r"global_batch_size \(6\) must be divisible by micro_batch_size \(4\)"),
+        ([], r"data_path is required unless mock_data"),
+        (["--data-path", "/nonexistent/prefix"], r"no dataset at '/nonexistent/prefix'"),
+        (["--attention-variant", "mea", "--mea-num-kv-components", "3", *MOCK],
+         r"mea_num_kv_components \(3\)"),
+        (["--tensor-model-parallel-size", "2", *MOCK], r"world size \(1\) must be divisible"),
+        (["--min-lr", "1", "--lr", "0.1", *MOCK], r"min_lr \(1.0\) must not exceed lr"),
+        (["--lr-warmup-fraction", "1.5", *MOCK], r"lr_warmup_fraction \(1.5\)"),
+        (["--save-interval", "10", *MOCK], r"save_interval needs save"),
+        (["--train-iters", "0", *MOCK], r"train_iters \(0\) must be >= 1"),
+    ],
+)
+def test_invalid_arguments_raise_value_error_naming_the_flag(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse_args(argv)
+
+
+def test_yaml_errors_name_the_file_and_key(tmp_path):
+    bad_key = tmp_path / "a.yaml"
+    bad_key.write_text("hiden-size: 64\n")
+    with pytest.raises(ValueError, match=r"a.yaml: unknown setting 'hiden-size'"):
+        parse_args(["--config", str(bad_key), *MOCK])
+    bad_type = tmp_path / "b.yaml"
+    bad_type.write_text("num-layers: four\n")
+    with pytest.raises(ValueError, match=r"b.yaml: num-layers: expected int, got 'four'"):
+        parse_args(["--config", str(bad_type), *MOCK])
+    bad_choice = tmp_path / "c.yaml"
+    bad_choice.write_text("attention-variant: mla\n")
+    with pytest.raises(ValueError, match=r"attention_variant \('mla'\) must be one of"):
+        parse_args(["--config", str(bad_choice), *MOCK])
+
+
+def test_bad_flag_value_is_an_argparse_error():
+    with pytest.raises(SystemExit):
+        parse_args(["--attention-variant", "mla"])
