@@ -1,0 +1,152 @@
+"""Pretraining data: tokenizers, raw text to Megatron `.bin/.idx`, and GPT dataset construction.
+
+from megatron_mea.data import build_tokenizer, preprocess_files, build_gpt_datasets
+
+tok = build_tokenizer("ByteLevelTokenizer")
+preprocess_files(["corpus.jsonl"], "data/corpus", tok, append_eod=True)
+train, valid, test = build_gpt_datasets(
+    ["data/corpus"], "98,2,0", seq_length=256, tokenizer=tok,
+    train_samples=1000, valid_samples=100, test_samples=0, seed=1234, mock=False)
+"""
+
+import os
+from collections.abc import Callable
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.utils import get_blend_from_list
+
+from megatron_mea.data.corpus import build_stdlib_corpus
+from megatron_mea.data.preprocess import PreprocessError, PreprocessSummary, preprocess_files
+from megatron_mea.data.tokenizers import (
+    TOKENIZER_TYPES,
+    ByteLevelTokenizer,
+    HuggingFaceTokenizer,
+    build_tokenizer,
+)
+
+__all__ = [
+    "TOKENIZER_TYPES",
+    "ByteLevelTokenizer",
+    "HuggingFaceTokenizer",
+    "PreprocessError",
+    "PreprocessSummary",
+    "build_gpt_datasets",
+    "build_stdlib_corpus",
+    "build_tokenizer",
+    "preprocess_files",
+]
+
+
+def build_gpt_datasets(
+    data_prefix: list[str] | None,
+    split: str,
+    seq_length: int,
+    tokenizer,
+    train_samples: int | None,
+    valid_samples: int | None,
+    test_samples: int | None,
+    seed: int,
+    mock: bool,
+    cache_dir: str | None = None,
+    *,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = False,
+    mmap_bin_files: bool = True,
+    is_built_on_rank: Callable[[], bool] | None = None,
+) -> tuple:
+    """Build the train/valid/test GPT datasets with Megatron's `BlendedMegatronDatasetBuilder`.
+
+    Each sample is a dict of `tokens`, `labels`, `loss_mask`, `position_ids` (each of shape [s],
+    s = `seq_length`), plus `attention_mask` [1, s, s] when `create_attention_mask`, plus
+    `dataset_id` when several prefixes are blended.
+
+    Works on one process without torch.distributed, except a multi-prefix blend with `cache_dir`
+    set, which Megatron's BlendedDataset only builds with a process group initialised.
+
+    Args:
+        data_prefix: Megatron-LM `--data-path` list: ["prefix"], ["prefix1", "prefix2"] (weighted by
+            size) or ["0.7", "prefix1", "0.3", "prefix2"]. Must be None or empty when `mock`.
+        split: Megatron-LM `--split`, e.g. "98,2,0" (ignored when `mock`).
+        seq_length: tokens per sample.
+        tokenizer: a `megatron_mea.data` tokenizer; `vocab_size` and `eod` are used.
+        train_samples, valid_samples, test_samples: samples to draw per split (None: one epoch;
+            not allowed with blend weights, where an unused split takes 0).
+        seed: seed of the document and sample shuffles.
+        mock: use `MockGPTDataset` (synthetic token ramps) instead of files.
+        cache_dir: where the shuffle indices are cached (Megatron-LM `--data-cache-path`).
+            Default: None (Megatron's default, a `cache/` directory beside each prefix).
+        reset_position_ids, reset_attention_mask, eod_mask_loss: as the Megatron-LM flags of the
+            same names. Default: False.
+        create_attention_mask: materialise an [1, s, s] causal mask per sample; not needed when
+            the attention applies causality itself. Default: False.
+        mmap_bin_files: mmap the .bin files rather than reading through file handles. Default: True.
+        is_built_on_rank: which ranks build datasets (Megatron-LM uses the first/last pipeline
+            stage at TP rank 0). Default: every rank.
+
+    Returns:
+        (train, valid, test); an entry is None for a split of weight 0 in `split`.
+
+    Raises:
+        ValueError: if both or neither of `data_prefix` and `mock` are given, or a sample count is
+            None in a weighted blend.
+        FileNotFoundError: if a prefix lacks its .bin or .idx file.
+        RuntimeError: for a multi-prefix blend with `cache_dir` while torch.distributed is not
+            initialised.
+    """
+
+    if mock and data_prefix:
+        raise ValueError("pass either data_prefix (--data-path) or mock (--mock-data), not both")
+    if not mock and not data_prefix:
+        raise ValueError("data_prefix (--data-path) is required unless mock (--mock-data) is set")
+
+    blend = None
+    if not mock:
+        blend = get_blend_from_list(list(data_prefix))
+        if blend[1] is not None:
+            sizes = dict(train=train_samples, valid=valid_samples, test=test_samples)
+            unset = [name for name, size in sizes.items() if size is None]
+            if unset:
+                # Megatron cannot size a weighted blend without a sample count (it asserts).
+                raise ValueError(
+                    f"{', '.join(n + '_samples' for n in unset)} must be a number (0 for an unused "
+                    "split) when --data-path gives blend weights"
+                )
+        if cache_dir is not None and len(blend[0]) > 1 and not torch.distributed.is_initialized():
+            # BlendedDataset calls torch.distributed.get_rank() when it may write its cache.
+            raise RuntimeError(
+                "a blend of several --data-path prefixes with a cache directory needs "
+                "torch.distributed initialised (Megatron's BlendedDataset asks for the rank); "
+                "initialise a process group or pass cache_dir=None"
+            )
+        for prefix in blend[0]:
+            for suffix in (".bin", ".idx"):
+                if not os.path.isfile(prefix + suffix):
+                    raise FileNotFoundError(
+                        f"--data-path prefix {prefix!r}: {prefix + suffix} does not exist"
+                    )
+
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=None if mock else split,
+        path_to_cache=cache_dir,
+        mmap_bin_files=mmap_bin_files,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        MockGPTDataset if mock else GPTDataset,
+        [train_samples, valid_samples, test_samples],
+        is_built_on_rank or (lambda: True),
+        config,
+    )
+    train, valid, test = builder.build()
+    return train, valid, test

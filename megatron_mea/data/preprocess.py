@@ -1,0 +1,268 @@
+"""Turn raw text files into a Megatron `.bin/.idx` token dataset, reporting every bad input.
+
+Input kinds, chosen by file extension:
+
+- `.jsonl`, `.ndjson`, `.json`: JSON lines (Megatron-LM's "loose json"): one JSON object per line,
+  the document text under `json_key`. Blank lines are not documents and are skipped.
+- anything else (`.txt`, `.md`, `.py`...): the whole file is one document.
+
+A malformed input (invalid JSON, a line that is not an object, a missing or non-string text field,
+invalid UTF-8, a lone surrogate that cannot be encoded) is logged as a warning with `path:line`,
+collected in `PreprocessSummary.errors` and skipped; the good documents are still written. Empty
+documents are counted in `PreprocessSummary.empty_documents` and not written, because a zero-length
+document only adds an entry to the index (or, with eod, a lone separator).
+
+The dataset is written under temporary names in the output directory and renamed at the end, so a
+crash never leaves a half-written dataset under `output_prefix`.
+"""
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+import numpy
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+try:
+    from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+except ImportError:  # the progress bar is a nicety; preprocessing works without it
+    tqdm = None
+
+logger = logging.getLogger(__name__)
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+# Each error is logged up to this many times; all of them are kept in the summary regardless.
+_MAX_LOGGED_ERRORS = 100
+
+
+@dataclass
+class PreprocessSummary:
+    """What `preprocess_files` wrote and what it skipped.
+
+    Attributes:
+        output_prefix: the dataset prefix (`<prefix>.bin` / `<prefix>.idx`).
+        files: the input files, in the order they were read.
+        documents: documents written.
+        tokens: tokens written, eod tokens included.
+        empty_documents: documents skipped because they were empty.
+        errors: one "path:line: message" per skipped malformed input, in input order.
+        written: whether the dataset was published under `output_prefix` (False when no document
+            was written, or in strict mode with errors).
+    """
+
+    output_prefix: str
+    files: list[str] = field(default_factory=list)
+    documents: int = 0
+    tokens: int = 0
+    empty_documents: int = 0
+    errors: list[str] = field(default_factory=list)
+    written: bool = False
+
+    def describe(self, max_errors: int = 10) -> str:
+        """A human-readable report: counts, then the first `max_errors` errors."""
+        lines = [
+            f"input files: {len(self.files)}",
+            f"documents written: {self.documents}",
+            f"tokens written: {self.tokens}",
+            f"empty documents skipped: {self.empty_documents}",
+            f"malformed inputs skipped: {len(self.errors)}",
+        ]
+        lines += [f"  {err}" for err in self.errors[:max_errors]]
+        if len(self.errors) > max_errors:
+            lines.append(f"  ... and {len(self.errors) - max_errors} more")
+        where = f"{self.output_prefix}.bin/.idx" if self.written else "nothing (see above)"
+        lines.append(f"dataset written: {where}")
+        return "\n".join(lines)
+
+
+class PreprocessError(ValueError):
+    """Raised in strict mode when any input was malformed; nothing is written.
+
+    Attributes:
+        summary: the `PreprocessSummary` of the run, with every error.
+    """
+
+    def __init__(self, summary: PreprocessSummary) -> None:
+        super().__init__(
+            f"{len(summary.errors)} malformed input(s), dataset not written:\n"
+            + "\n".join(summary.errors[:10])
+        )
+        self.summary = summary
+
+
+def _iter_jsonl(path: str, json_key: str, advance):
+    """Yield (line number, text or None, error or None) for each non-blank line of `path`."""
+    with open(path, "rb") as stream:
+        for lineno, raw in enumerate(stream, 1):
+            advance(len(raw))
+            if not raw.strip():
+                continue
+            try:
+                # utf-8-sig on the first line: editors on Windows prepend a byte-order mark.
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                yield lineno, None, f"invalid UTF-8 at byte {err.start} of the line"
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield lineno, None, f"invalid JSON: {err.msg} (column {err.colno})"
+                continue
+            if not isinstance(record, dict):
+                yield lineno, None, f"expected a JSON object, got {type(record).__name__}"
+            elif json_key not in record:
+                yield lineno, None, f"missing text field {json_key!r}"
+            elif not isinstance(record[json_key], str):
+                kind = type(record[json_key]).__name__
+                yield lineno, None, f"text field {json_key!r} is {kind}, expected a string"
+            else:
+                yield lineno, record[json_key], None
+
+
+def _iter_text_file(path: str, advance):
+    """Yield the one document of a plain-text file as (1, text, None), or (line, None, error)."""
+    with open(path, "rb") as stream:
+        data = stream.read()
+    advance(len(data))
+    try:
+        yield 1, data.decode("utf-8-sig"), None
+    except UnicodeDecodeError as err:
+        lineno = data.count(b"\n", 0, err.start) + 1
+        yield lineno, None, f"invalid UTF-8 at byte {err.start} of the file"
+
+
+def _publish(tmp_prefix: str, output_prefix: str) -> None:
+    # The old .idx goes first: if we die between the renames, the prefix has a .bin but no .idx,
+    # which IndexedDataset refuses, instead of a new .bin paired with a stale .idx.
+    if os.path.exists(output_prefix + ".idx"):
+        os.remove(output_prefix + ".idx")
+    os.replace(tmp_prefix + ".bin", output_prefix + ".bin")
+    os.replace(tmp_prefix + ".idx", output_prefix + ".idx")
+
+
+def _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance) -> None:
+    """Tokenize every document of `paths` into `builder`, recording skips in `summary`."""
+    vocab_size = tokenizer.vocab_size
+    for path in paths:
+        if path.lower().endswith(JSONL_SUFFIXES):
+            documents = _iter_jsonl(path, json_key, advance)
+        else:
+            documents = _iter_text_file(path, advance)
+        for lineno, text, error in documents:
+            if error is None:
+                try:
+                    ids = tokenizer.tokenize(text)
+                except UnicodeEncodeError as err:
+                    error = f"text is not valid Unicode ({err.reason} at character {err.start})"
+            if error is not None:
+                message = f"{path}:{lineno}: {error}"
+                summary.errors.append(message)
+                if len(summary.errors) <= _MAX_LOGGED_ERRORS:
+                    logger.warning("skipped %s", message)
+                elif len(summary.errors) == _MAX_LOGGED_ERRORS + 1:
+                    logger.warning("more malformed inputs; the summary lists them all")
+                continue
+            if len(ids) == 0:
+                summary.empty_documents += 1
+                logger.debug("skipped empty document %s:%d", path, lineno)
+                continue
+            tokens = numpy.asarray(list(ids) + eod, dtype=numpy.int64)
+            if tokens.min() < 0 or tokens.max() >= vocab_size:
+                raise ValueError(
+                    f"{path}:{lineno}: the tokenizer produced an id outside [0, {vocab_size})"
+                )
+            builder.add_document(tokens, [tokens.size])
+            summary.documents += 1
+            summary.tokens += int(tokens.size)
+
+
+def preprocess_files(
+    paths: list[str],
+    output_prefix: str,
+    tokenizer,
+    *,
+    json_key: str = "text",
+    append_eod: bool = False,
+    strict: bool = False,
+    progress: bool = True,
+) -> PreprocessSummary:
+    """Tokenize `paths` into the Megatron dataset `<output_prefix>.bin` / `.idx`.
+
+    Token ids are stored with `DType.optimal_dtype(tokenizer.vocab_size)` (uint16 below 65500 ids,
+    else int32), as Megatron-LM's preprocess_data.py does; one sequence per document.
+
+    Args:
+        paths: input files, read in this order (see the module docstring for the formats).
+        output_prefix: dataset path without extension; its directory is created.
+        tokenizer: a `megatron_mea.data.tokenizers` tokenizer (or any Megatron legacy tokenizer).
+        json_key: the field holding the text in JSON-lines files. Default: "text".
+        append_eod: append `tokenizer.eod` to every document. Default: False.
+        strict: on any malformed input, write nothing and raise `PreprocessError`. Default: False.
+        progress: show a tqdm progress bar over input bytes (when tqdm is installed). Default: True.
+
+    Returns:
+        The `PreprocessSummary`. If no document was written, nothing is published and
+        `summary.written` is False.
+
+    Raises:
+        FileNotFoundError: if an input does not exist (checked before anything is written).
+        ValueError: if `output_prefix` ends in .bin/.idx, or the tokenizer yields an id outside
+            [0, vocab_size).
+        PreprocessError: in strict mode, when an input is malformed.
+    """
+    if output_prefix.endswith((".bin", ".idx")):
+        raise ValueError(
+            f"--output-prefix {output_prefix!r} should not end in .bin/.idx: both files are written"
+        )
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
+
+    summary = PreprocessSummary(output_prefix=output_prefix, files=list(paths))
+    # Fetched once up front so a tokenizer without an eod token fails before any work.
+    eod = [tokenizer.eod] if append_eod else []
+    dtype = DType.optimal_dtype(tokenizer.vocab_size)
+
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    tmp_prefix = os.path.join(out_dir, f".{os.path.basename(output_prefix)}.tmp-{os.getpid()}")
+    builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=dtype)
+
+    total_bytes = sum(os.path.getsize(p) for p in paths)
+    bar = None
+    redirect = contextlib.nullcontext()
+    if progress and tqdm is not None:
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess")
+        # Routes the per-line warnings through tqdm.write, so they do not tear the bar apart.
+        redirect = logging_redirect_tqdm()
+
+    advance = bar.update if bar is not None else (lambda num_bytes: None)
+
+    published = False
+    try:
+        with redirect:
+            _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance)
+        if summary.documents == 0:
+            logger.error("no document was written from %d input file(s)", len(paths))
+        elif strict and summary.errors:
+            raise PreprocessError(summary)
+        else:
+            builder.finalize(tmp_prefix + ".idx")
+            _publish(tmp_prefix, output_prefix)
+            published = summary.written = True
+    finally:
+        if bar is not None:
+            bar.close()
+        if not published:
+            builder.data_file.close()
+            for suffix in (".bin", ".idx"):
+                if os.path.exists(tmp_prefix + suffix):
+                    os.remove(tmp_prefix + suffix)
+
+    if summary.errors:
+        logger.warning("%d malformed input(s) skipped", len(summary.errors))
+    return summary

@@ -1,0 +1,253 @@
+"""Tokenizers for pretraining data: a byte-level one that needs no files, and a local HF wrapper.
+
+Both implement Megatron-Core's legacy tokenizer interface (`MegatronLegacyTokenizer` in
+`megatron.core.datasets.megatron_tokenizer`, called `MegatronTokenizer` before 0.16). That is the
+interface `GPTDatasetConfig` duck-types against: `vocab_size`, `eod` (document separator, used for
+masks and loss masking), `pad` (optional: when it raises, Megatron pads with -1, an id that never
+occurs in data) and `unique_identifiers` (hashed into the names of cached dataset indices).
+"""
+
+import contextlib
+import logging
+import os
+
+from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+
+logger = logging.getLogger(__name__)
+
+# Names follow Megatron-LM's `--tokenizer-type` choices.
+TOKENIZER_TYPES = ("ByteLevelTokenizer", "HuggingFaceTokenizer")
+
+
+class _DropLegacyNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "legacy tokenizer system" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _quiet_legacy_notice():
+    """Silence the base class's "legacy tokenizer system" warning while we construct.
+
+    The legacy interface is the one GPTDataset consumes; choosing it is deliberate here, so the
+    migration notice would only be noise. The filter is scoped to our constructors so other users of
+    legacy tokenizers still see it.
+    """
+    base_logger = logging.getLogger(MegatronLegacyTokenizer.__module__)
+    notice_filter = _DropLegacyNotice()
+    base_logger.addFilter(notice_filter)
+    try:
+        yield
+    finally:
+        base_logger.removeFilter(notice_filter)
+
+
+class ByteLevelTokenizer(MegatronLegacyTokenizer):
+    """UTF-8 bytes as tokens: ids 0..255 are the bytes, id 256 is the end-of-document token.
+
+    Needs no model file, so it works anywhere. `pad` is deliberately not defined: Megatron's
+    datasets then pad with -1 and mask it out, instead of colliding with `eod`.
+
+    Example::
+
+        tok = ByteLevelTokenizer()
+        tok.tokenize("h\u00e9")      # [104, 195, 169]
+        tok.detokenize([104, 195, 169, tok.eod])  # "h\u00e9" (eod is a separator, not text)
+    """
+
+    NUM_BYTES = 256
+    EOD = 256
+    EOD_TEXT = "<eod>"
+
+    def __init__(self) -> None:
+        with _quiet_legacy_notice():
+            super().__init__()
+        # Byte b is named chr(b) (its Latin-1 reading), so every byte has a distinct one-char name.
+        self._vocab = {chr(b): b for b in range(self.NUM_BYTES)}
+        self._vocab[self.EOD_TEXT] = self.EOD
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode `text` as its UTF-8 bytes.
+
+        Args:
+            text: the text.
+
+        Returns:
+            One id in [0, 256) per UTF-8 byte; no eod is added.
+
+        Raises:
+            UnicodeEncodeError: if `text` holds a lone surrogate (e.g. from a JSON "\\ud800"), which
+                has no UTF-8 encoding; callers report it rather than have it silently replaced.
+        """
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids) -> str:
+        """Decode ids back to text; eod tokens are dropped, invalid UTF-8 becomes U+FFFD.
+
+        Args:
+            ids: iterable of ints in [0, 257).
+
+        Raises:
+            ValueError: if an id is outside the vocabulary.
+        """
+        data = bytearray()
+        for i in ids:
+            i = int(i)
+            if 0 <= i < self.NUM_BYTES:
+                data.append(i)
+            elif i != self.EOD:
+                raise ValueError(f"token id {i} is outside the byte-level vocabulary [0, 257)")
+        return data.decode("utf-8", errors="replace")
+
+    @property
+    def vocab(self) -> dict:
+        """Token text to id: chr(b) for byte b, "<eod>" for 256."""
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict:
+        """Id to token text."""
+        return self._inv_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        """257: the 256 byte values plus eod."""
+        return self.NUM_BYTES + 1
+
+    @property
+    def eod(self) -> int:
+        """The end-of-document id, 256."""
+        return self.EOD
+
+
+class HuggingFaceTokenizer(MegatronLegacyTokenizer):
+    """A `transformers.AutoTokenizer` loaded from a local directory, never from the Hub.
+
+    Mirrors Megatron-LM's `_HuggingFaceTokenizer`: `eod` is the tokenizer's eos token, `vocab_size`
+    is `len(tokenizer)` (added tokens included), and `tokenize` lets the tokenizer add its special
+    tokens (e.g. a BOS) unless `add_special_tokens=False`.
+
+    Args:
+        model_dir: directory holding the tokenizer files (tokenizer.json, tokenizer_config.json...).
+        add_special_tokens: passed to the tokenizer on every `tokenize` call. Default: True.
+        trust_remote_code: passed to `from_pretrained`. Default: False.
+
+    Raises:
+        ImportError: if transformers is not installed (the `megatron_mea[hf]` extra).
+        ValueError: if `model_dir` is not an existing directory.
+    """
+
+    def __init__(
+        self, model_dir: str, add_special_tokens: bool = True, trust_remote_code: bool = False
+    ) -> None:
+        try:
+            import transformers
+        except ImportError as err:
+            raise ImportError(
+                "HuggingFaceTokenizer needs transformers, which is not installed: "
+                "pip install 'megatron_mea[hf]'"
+            ) from err
+        if not os.path.isdir(model_dir):
+            raise ValueError(
+                f"--tokenizer-model {model_dir!r} is not a local directory; HuggingFaceTokenizer "
+                "loads tokenizer files from disk only and never downloads from the Hub"
+            )
+        with _quiet_legacy_notice():
+            super().__init__(
+                model_dir,
+                add_special_tokens=add_special_tokens,
+                trust_remote_code=trust_remote_code,
+            )
+        self.model_dir = model_dir
+        self._add_special_tokens = add_special_tokens
+        self._tokenizer = transformers.AutoTokenizer.from_pretrained(
+            model_dir, local_files_only=True, trust_remote_code=trust_remote_code
+        )
+        self._vocab = self._tokenizer.get_vocab()
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode `text` to token ids (special tokens as configured; no eod appended)."""
+        return self._tokenizer(text, add_special_tokens=self._add_special_tokens).input_ids
+
+    def detokenize(self, ids) -> str:
+        """Decode token ids to text."""
+        return self._tokenizer.decode([int(i) for i in ids])
+
+    @property
+    def vocab(self) -> dict:
+        """Token text to id, added tokens included."""
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict:
+        """Id to token text."""
+        return self._inv_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        """`len(tokenizer)`: the base vocabulary plus added tokens."""
+        return len(self._tokenizer)
+
+    @property
+    def eod(self) -> int:
+        """The eos token id, used as the document separator.
+
+        Raises:
+            NotImplementedError: if the tokenizer defines no eos token.
+        """
+        if self._tokenizer.eos_token_id is None:
+            raise NotImplementedError(
+                f"the tokenizer in {self.model_dir} defines no eos token, which megatron_mea uses "
+                "as the end-of-document token"
+            )
+        return self._tokenizer.eos_token_id
+
+    @property
+    def pad(self) -> int:
+        """The pad token id.
+
+        Raises:
+            NotImplementedError: if the tokenizer has none (Megatron then pads with -1).
+        """
+        if self._tokenizer.pad_token_id is None:
+            raise NotImplementedError(f"the tokenizer in {self.model_dir} defines no pad token")
+        return self._tokenizer.pad_token_id
+
+    @property
+    def bos(self) -> int:
+        """The bos token id (None if the tokenizer has none)."""
+        return self._tokenizer.bos_token_id
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None):
+    """Build a tokenizer from Megatron-LM style `--tokenizer-type` / `--tokenizer-model` values.
+
+    Args:
+        tokenizer_type: "ByteLevelTokenizer" or "HuggingFaceTokenizer".
+        tokenizer_model: local tokenizer directory; required for HuggingFaceTokenizer, ignored
+            (with a warning) for ByteLevelTokenizer. Default: None.
+
+    Returns:
+        ByteLevelTokenizer | HuggingFaceTokenizer.
+
+    Raises:
+        ValueError: for an unknown type or a missing `tokenizer_model`.
+    """
+    if tokenizer_type == "ByteLevelTokenizer":
+        if tokenizer_model is not None:
+            logger.warning(
+                "--tokenizer-model %r is ignored: ByteLevelTokenizer needs no model",
+                tokenizer_model,
+            )
+        return ByteLevelTokenizer()
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if not tokenizer_model:
+            raise ValueError(
+                "--tokenizer-model (a local tokenizer directory) is required with "
+                "--tokenizer-type HuggingFaceTokenizer"
+            )
+        return HuggingFaceTokenizer(tokenizer_model)
+    raise ValueError(
+        f"unknown --tokenizer-type {tokenizer_type!r}; choose one of {', '.join(TOKENIZER_TYPES)}"
+    )

@@ -1,0 +1,130 @@
+"""Tokenize text files into a Megatron `.bin/.idx` dataset (flags as Megatron-LM's tool).
+
+    python tools/preprocess_data.py --input 'corpus/*.jsonl' notes.txt \\
+        --output-prefix data/corpus --tokenizer-type ByteLevelTokenizer --append-eod
+
+JSON-lines inputs (.jsonl, .ndjson, .json) hold one document per line under --json-keys; any
+other file is one document. Unlike Megatron-LM, the dataset is written to exactly
+<output-prefix>.bin/.idx (no `_text_document` suffix), and one worker process does the work.
+
+Exit status: 0 when a dataset was written (malformed inputs are reported but skipped), 1 when no
+document was written, 2 on a usage error or, with --strict, on any malformed input.
+"""
+
+import argparse
+import glob
+import importlib.util
+import logging
+import os
+import sys
+
+if importlib.util.find_spec("megatron_mea") is None:
+    # Lets `python tools/preprocess_data.py` run from a checkout that is not pip-installed.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_mea.data.preprocess import PreprocessError, preprocess_files  # noqa: E402
+from megatron_mea.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+
+def _parse_args(argv):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    group = parser.add_argument_group("input data")
+    group.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        metavar="PATH",
+        help="input files or glob patterns (quoted), read in the order given, each glob sorted",
+    )
+    group.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        metavar="KEY",
+        help="the JSON field holding the text (one key; default: text)",
+    )
+    group = parser.add_argument_group("tokenizer")
+    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="local tokenizer directory (HuggingFaceTokenizer only; nothing is downloaded)",
+    )
+    group.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document token to each document",
+    )
+    group = parser.add_argument_group("output data")
+    group.add_argument(
+        "--output-prefix",
+        required=True,
+        help="write <prefix>.bin and <prefix>.idx; the directory is created",
+    )
+    group.add_argument(
+        "--strict",
+        action="store_true",
+        help="treat any malformed input as fatal: write nothing and exit 2",
+    )
+    group.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    group.add_argument(
+        "--max-errors-shown", type=int, default=10, help="errors listed in the summary (default 10)"
+    )
+    args = parser.parse_args(argv)
+    if len(args.json_keys) != 1:
+        parser.error(f"--json-keys takes one key here, got {len(args.json_keys)}")
+    args.paths = _expand_inputs(parser, args.input)
+    return args
+
+
+def _expand_inputs(parser, patterns):
+    paths = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+            if not matches:
+                parser.error(f"--input pattern {pattern!r} matches no file")
+            paths.extend(matches)
+        elif os.path.isfile(pattern):
+            paths.append(pattern)
+        else:
+            parser.error(f"--input {pattern!r} is not a file")
+    return paths
+
+
+def main(argv=None) -> int:
+    """Run the tool; returns the exit status."""
+    args = _parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    except (ValueError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        summary = preprocess_files(
+            args.paths,
+            args.output_prefix,
+            tokenizer,
+            json_key=args.json_keys[0],
+            append_eod=args.append_eod,
+            strict=args.strict,
+            progress=not args.no_progress,
+        )
+    except PreprocessError as err:
+        print(err.summary.describe(args.max_errors_shown))
+        print(
+            "error: --strict and malformed inputs were found; nothing was written", file=sys.stderr
+        )
+        return 2
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(summary.describe(args.max_errors_shown))
+    return 0 if summary.documents > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
