@@ -12,7 +12,7 @@ TORCH_CPU_VERSION := 2.13.0
 $(VENV)/.installed: pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==$(TORCH_CPU_VERSION)
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet -e ".[dev,hf]"
 	touch $@
 
 setup: $(VENV)/.installed
