@@ -252,6 +252,11 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
         raise ValueError(f"lr_warmup_fraction ({args.lr_warmup_fraction}) must be in [0, 1)")
     if args.min_lr > args.lr:
         raise ValueError(f"min_lr ({args.min_lr}) must not exceed lr ({args.lr})")
+    if args.context_parallel_size > 1 and args.transformer_impl != "transformer_engine":
+        raise ValueError(
+            f"context_parallel_size ({args.context_parallel_size}) > 1 needs "
+            "transformer_impl=transformer_engine (Megatron's local attention has no CP)"
+        )
     if args.fp8_format and args.transformer_impl != "transformer_engine":
         raise ValueError("fp8_format needs transformer_impl=transformer_engine")
     for path_flag in ("data_path",):

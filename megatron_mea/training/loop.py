@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_mea.cpu import apply_cpu_patches, cuda_device_to_cpu, init_cpu_rng_tracker
 from megatron_mea.training import checkpointing
@@ -80,6 +81,8 @@ def _forward_step(data_iterator, model):
     batch = next(data_iterator)
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    # Context parallelism: this rank's load-balanced chunks of the sequence (no-op at CP=1).
+    batch = get_batch_on_this_cp_rank(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_masked_mean_loss, batch["loss_mask"])
 
@@ -91,13 +94,16 @@ def _masked_mean_loss(loss_mask, per_token_loss):
 
 
 def _mean_over_data_parallel(loss_dicts) -> float:
-    """Average 'lm loss' over micro-batches and data-parallel ranks, visible on every rank."""
+    """Average 'lm loss' over micro-batches and data- (and context-) parallel ranks, visible on
+    every rank."""
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     value = torch.zeros(1, device=device)
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True) and loss_dicts:
         value += torch.stack([d["lm loss"] for d in loss_dicts]).mean()
-        value /= parallel_state.get_data_parallel_world_size()
-        dist.all_reduce(value, group=parallel_state.get_data_parallel_group())
+        value /= parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+        dist.all_reduce(
+            value, group=parallel_state.get_data_parallel_group(with_context_parallel=True)
+        )
     # Only the last stage holds losses; a sum over the pipeline shares its value.
     dist.all_reduce(value, group=parallel_state.get_pipeline_model_parallel_group())
     return value.item()

@@ -1,0 +1,112 @@
+#!/bin/bash
+# The MEA paper's learning-rate study: Llama-3.2-1B shape (16 layers, hidden 2048, FFN 8192, GQA
+# 32 query / 8 KV heads of dim 64, tied embeddings, RoPE base 500000), 20M-token batches, peak LR
+# swept over 1e-4 .. 3e-3. The paper reports MEA stable up to 3e-3 where the baseline breaks
+# above 1e-3. Sequence length (4096), schedule and token budget are not in the paper: see README.
+#
+#   VARIANT=mea|baseline   MEA (HLC + head norm) or standard attention
+#   LR                     peak learning rate (default 1e-3); the grid is in LR_GRID below
+#   TP, PP, MBS            parallel sizes and micro-batch (defaults 1, 1, 4)
+#   DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, TRAIN_TOKENS (default 100e9)
+# plus the launch settings of common.sh (LAUNCH, NNODES, PRECISION, DRY_RUN, ...). A sweep:
+#   for lr in $LR_GRID; do LR=$lr LAUNCH=slurm NNODES=8 bash mea_llama3_1b.sh; done
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+SCRIPT="$MEA_EXAMPLES_DIR/$(basename "${BASH_SOURCE[0]}")"
+
+LR_GRID="1e-4 2e-4 5e-4 1e-3 2e-3 3e-3"
+VARIANT=${VARIANT:-mea}
+LR=${LR:-1e-3}
+TP=${TP:-1}
+PP=${PP:-1}
+MBS=${MBS:-4}
+SEQ_LENGTH=4096
+GLOBAL_BATCH=4864                      # 4864 x 4096 = 19,922,944 tokens per step (~20M)
+TRAIN_TOKENS=${TRAIN_TOKENS:-100000000000}
+TRAIN_ITERS=$((TRAIN_TOKENS / (GLOBAL_BATCH * SEQ_LENGTH)))
+CHECKPOINT_DIR=${CHECKPOINT_DIR:-./checkpoints/mea_llama3_1b_${VARIANT}_lr$LR}
+
+MODEL_ARGS=(
+    --num-layers 16
+    --hidden-size 2048
+    --ffn-hidden-size 8192
+    --num-attention-heads 32
+    --group-query-attention
+    --num-query-groups 8
+    --kv-channels 64
+    --normalization RMSNorm
+    --norm-epsilon 1e-5
+    --swiglu
+    --disable-bias-linear
+    --position-embedding-type rope
+    --rotary-base 500000
+    --seq-length "$SEQ_LENGTH"
+    --max-position-embeddings "$SEQ_LENGTH"
+    --attention-dropout 0.0
+    --hidden-dropout 0.0
+    --init-method-std 0.02
+)
+
+case "$VARIANT" in
+    baseline) ATTENTION_ARGS=(--attention-variant standard) ;;
+    mea) ATTENTION_ARGS=(--attention-variant mea --mea-num-kv-components "${MEA_NC:-8}"
+                         --mea-head-norm) ;;
+    *) echo "VARIANT must be mea or baseline (got '$VARIANT')" >&2; exit 2 ;;
+esac
+
+TRAINING_ARGS=(
+    --micro-batch-size "$MBS"
+    --global-batch-size "$GLOBAL_BATCH"
+    --train-iters "$TRAIN_ITERS"
+    --lr "$LR"
+    --min-lr "$(awk -v lr="$LR" 'BEGIN { print lr / 10 }')"
+    --lr-decay-style cosine
+    --lr-decay-iters "$TRAIN_ITERS"
+    --lr-warmup-fraction 0.01
+    --optimizer adam
+    --adam-beta1 0.9
+    --adam-beta2 0.95
+    --weight-decay 0.1
+    --clip-grad 1.0
+    --use-distributed-optimizer
+    --overlap-grad-reduce
+    --overlap-param-gather
+)
+
+PARALLEL_ARGS=(
+    --tensor-model-parallel-size "$TP"
+    --pipeline-model-parallel-size "$PP"
+)
+if ((TP > 1)); then
+    PARALLEL_ARGS+=(--sequence-parallel)
+fi
+
+precision_args
+
+if [[ -n "${DATA_PATH:-}" ]]; then
+    DATA_ARGS=(--data-path $DATA_PATH --split 99,1,0
+        --tokenizer-type HuggingFaceTokenizer
+        --tokenizer-model "${TOKENIZER_MODEL:-meta-llama/Llama-3.2-1B}")
+else
+    # NullTokenizer adds one EOD id: 128255 + 1 = the Llama-3 vocabulary.
+    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 128255)
+fi
+
+CHECKPOINT_ARGS=(
+    --save "$CHECKPOINT_DIR"
+    --load "$CHECKPOINT_DIR"
+    --save-interval 500
+    --ckpt-format torch_dist
+)
+
+LOGGING_ARGS=(
+    --log-interval 10
+    --log-throughput
+    --eval-interval 500
+    --eval-iters 10
+    --tensorboard-dir "$CHECKPOINT_DIR/tensorboard"
+)
+
+launch "$SCRIPT" \
+    "${MODEL_ARGS[@]}" "${ATTENTION_ARGS[@]}" "${TRAINING_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
+    "${PRECISION_ARGS[@]}" "${DATA_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${LOGGING_ARGS[@]}"

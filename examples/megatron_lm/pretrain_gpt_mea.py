@@ -1,0 +1,49 @@
+"""Megatron-LM's `pretrain_gpt.py` with the megatron_mea flags, config class and specs.
+
+Run it like `pretrain_gpt.py`, with the root of a Megatron-LM checkout at tag `core_v0.16.1` on
+PYTHONPATH (`pretrain_gpt`, `gpt_builders` and `model_provider` are imported from there) and
+megatron_mea installed:
+
+    PYTHONPATH=$MEGATRON_LM_DIR torchrun ... examples/megatron_lm/pretrain_gpt_mea.py \
+        <Megatron-LM flags> --attention-variant mea
+
+Everything except the model builder and the extra flags (datasets, forward step, embedding ranks,
+in-process restart) is reused from Megatron-LM's `pretrain_gpt` module.
+"""
+
+import time
+
+_PROGRAM_START_TIME = time.time()
+
+from functools import partial  # noqa: E402
+
+import pretrain_gpt  # noqa: E402  (Megatron-LM checkout root; its __main__ block is guarded)
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.training import inprocess_restart, pretrain, set_startup_timestamps  # noqa: E402
+from model_provider import model_provider  # noqa: E402
+
+from megatron_mea.integrations.megatron_lm import add_mea_args, mea_gpt_builder  # noqa: E402
+
+
+def extra_args_provider(parser):
+    """The plugin flags, plus ModelOpt's when `pretrain_gpt.py` would add them."""
+    parser = add_mea_args(parser)
+    if pretrain_gpt.has_nvidia_modelopt:
+        parser = pretrain_gpt.add_modelopt_args(parser)
+    return parser
+
+
+if __name__ == "__main__":
+    set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
+    pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
+    run(
+        pretrain_gpt.train_valid_test_datasets_provider,
+        partial(model_provider, mea_gpt_builder),
+        ModelType.encoder_or_decoder,
+        pretrain_gpt.forward_step,
+        args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
+        extra_args_provider=extra_args_provider,
+        store=store,
+        get_embedding_ranks=pretrain_gpt.get_embedding_ranks,
+    )

@@ -1,0 +1,272 @@
+"""Validate a `pretrain_gpt_mea.py` argument set without Megatron-LM or a GPU.
+
+    python -m megatron_mea.integrations.dry_run --world-size 16 -- <every training flag>
+
+1. Parses the flags with Megatron-LM `core_v0.16.1`'s own parser, rebuilt from the vendored flag
+   table (`mlm_flags.py`), plus `add_mea_args`: unknown flags, missing values, bad types and bad
+   choices fail as they would in Megatron-LM.
+2. Applies the parts of Megatron-LM's `validate_args` that decide whether a launch can start at all
+   (world-size divisibility by TP*PP*CP and by the expert grid, batch divisibility, layers per
+   pipeline stage, SP with MoE+TP, experts per EP rank) and the defaults it fills in.
+3. Builds `MEATransformerConfig` from the args the way `core_transformer_config_from_args` does
+   (every arg whose name is a config field, plus its special cases), so Megatron-Core's and the
+   plugin's own `__post_init__` checks run.
+4. Prints a summary with the model size (`megatron_mea.model_size`); exit status 0 when valid.
+
+It is a strict subset of Megatron-LM's validation: passing here does not promise that every
+Megatron-LM assert passes, but failing here means Megatron-LM would fail too.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+import warnings
+
+from megatron_mea.integrations.args import add_mea_args
+from megatron_mea.integrations.mlm_flags import build_parser, load_flags
+
+
+# Transformer Engine version the config checks assume when TE is not installed (--te-version).
+ASSUMED_TE_VERSION = "2.9.0"
+
+
+# Config fields whose check is "is TE's fused kernel importable here": an environment question,
+# answered on the launch machine. Without TE the dry run switches them off before building.
+TE_KERNEL_FIELDS = ("apply_rope_fusion", "moe_permute_fusion")
+
+
+# Vocabulary assumed for model sizes when the tokenizer is a real one (the examples' Llama-3 one).
+DEFAULT_VOCAB_SIZE = 128256
+
+
+class DryRunError(ValueError):
+    """An argument set Megatron-LM would reject; the message lists every problem found."""
+
+
+def parse_training_args(argv: list) -> argparse.Namespace:
+    """Parse Megatron-LM + plugin flags strictly (argparse exits with status 2 on a bad flag)."""
+    parser = add_mea_args(build_parser(load_flags()))
+    parser.prog = "pretrain_gpt_mea.py"
+    return parser.parse_args(argv)
+
+
+def _fill_megatron_defaults(args: argparse.Namespace, world_size: int) -> None:
+    # The defaults Megatron-LM's validate_args derives (MLM arguments.py, core_v0.16.1).
+    args.world_size, args.rank = world_size, 0
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = args.tensor_model_parallel_size
+    model_size = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                  * args.context_parallel_size)
+    args.data_parallel_size = world_size // model_size
+    if args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False
+    if args.ffn_hidden_size is None and args.hidden_size is not None:
+        args.ffn_hidden_size = (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
+    if args.kv_channels is None and args.hidden_size and args.num_attention_heads:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.seq_length is None:
+        args.seq_length = args.encoder_seq_length
+    for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+        value = getattr(args, name)
+        if isinstance(value, list) and len(value) == 1:
+            setattr(args, name, value[0])
+
+
+def check_launch(args: argparse.Namespace) -> list:
+    """Problems Megatron-LM's `validate_args` would assert on, as messages (empty: none)."""
+    errors = []
+    w, tp, pp, cp = (args.world_size, args.tensor_model_parallel_size,
+                     args.pipeline_model_parallel_size, args.context_parallel_size)
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "max_position_embeddings", "micro_batch_size"):
+        if getattr(args, name) is None:
+            errors.append(f"--{name.replace('_', '-')} is required")
+    if errors:
+        return errors
+    if w % (tp * pp * cp):
+        errors.append(f"world size ({w}) is not divisible by TP*PP*CP ({tp}*{pp}*{cp})")
+    dp = max(args.data_parallel_size, 1)
+    gbs = args.global_batch_size or args.micro_batch_size * dp
+    if gbs % (args.micro_batch_size * dp):
+        errors.append(f"global batch size ({gbs}) is not divisible by micro batch size "
+                      f"({args.micro_batch_size}) times data parallel size ({dp})")
+    if args.num_experts:
+        ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size
+        if w % (etp * ep * pp):
+            errors.append(f"world size ({w}) is not divisible by ETP*EP*PP ({etp}*{ep}*{pp})")
+        if args.num_experts % ep:
+            errors.append(f"--num-experts ({args.num_experts}) must be divisible by "
+                          f"--expert-model-parallel-size ({ep})")
+        if tp > 1 and not args.sequence_parallel:
+            errors.append("MoE with tensor parallelism needs --sequence-parallel")
+    uneven = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+              args.pipeline_model_parallel_layout)
+    if all(x is None for x in uneven) and args.num_layers % pp:
+        errors.append(f"--num-layers ({args.num_layers}) must be divisible by "
+                      f"--pipeline-model-parallel-size ({pp})")
+    if args.max_position_embeddings < args.seq_length:
+        errors.append(f"--max-position-embeddings ({args.max_position_embeddings}) is smaller "
+                      f"than --seq-length ({args.seq_length})")
+    if cp > 1 and args.seq_length % (2 * cp):
+        errors.append(f"--seq-length ({args.seq_length}) must be a multiple of 2*CP ({2 * cp})")
+    if args.train_iters is None and args.train_samples is None:
+        errors.append("one of --train-iters / --train-samples is required")
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+        errors.append("--lr-warmup-fraction and --lr-warmup-iters are exclusive")
+    if not (args.mock_data or args.data_path or args.train_data_path or args.per_split_data_args_path):
+        errors.append("no data: give --data-path (or --mock-data)")
+    if (tp > 1 or cp > 1) and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        # Megatron-LM asserts this before Blackwell; the example scripts export it.
+        errors.append("TP or CP > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment")
+    if args.fp16 and args.bf16:
+        errors.append("--fp16 and --bf16 are exclusive")
+    return errors
+
+
+@contextlib.contextmanager
+def _assume_transformer_engine(version: str):
+    # Megatron-Core's config checks ask for the TE version (grouped GEMM, FP8 recipes) and for TE's
+    # fused kernels. Without TE here, answer as the launch machine would: version checks see
+    # `version`, and the kernel checks (TE_KERNEL_FIELDS) are skipped: they are not about arguments.
+    from importlib.util import find_spec
+
+    from megatron.core import utils as mcore_utils
+    from packaging.version import Version
+
+    if find_spec("transformer_engine") is not None:
+        yield False
+        return
+    saved = mcore_utils._te_version
+    mcore_utils._te_version = Version(version)
+    try:
+        yield True
+    finally:
+        mcore_utils._te_version = saved
+
+
+def build_config(args: argparse.Namespace, te_version: str = ASSUMED_TE_VERSION):
+    """`MEATransformerConfig` from args, as `core_transformer_config_from_args` builds it.
+
+    Without Transformer Engine installed, TE version checks see `te_version` and the TE kernel
+    fields (`TE_KERNEL_FIELDS`) are not checked (see `_assume_transformer_engine`).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from megatron_mea.config import MEATransformerConfig
+
+    params_dtype = torch.bfloat16 if args.bf16 else torch.half if args.fp16 else torch.float
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(MEATransformerConfig)
+          if hasattr(args, f.name)}
+    kw.update(
+        persist_layer_norm=not args.no_persist_layer_norm,
+        deallocate_pipeline_outputs=True,
+        pipeline_dtype=params_dtype,
+        params_dtype=params_dtype,
+        batch_p2p_comm=not args.overlap_p2p_comm,
+        num_moe_experts=args.num_experts,
+        rotary_interleaved=args.rotary_interleaved,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        fp8_param=args.fp8_param_gather,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        inference_sampling_seed=args.seed,
+        moe_latent_size=args.moe_latent_size,
+    )
+    if args.swiglu:
+        kw.update(activation_func=F.silu, gated_linear_unit=True,
+                  bias_activation_fusion=args.bias_swiglu_fusion)
+    else:
+        kw["bias_activation_fusion"] = args.bias_gelu_fusion
+    if args.rope_type is None:
+        kw.pop("rope_type", None)
+    if len(args.cp_comm_type) == 1:
+        kw["cp_comm_type"] = args.cp_comm_type[0]
+    # Enum-typed fields arrive as names from the vendored parser.
+    from megatron.core.transformer.enums import AttnBackend
+
+    if isinstance(kw.get("attention_backend"), str):
+        kw["attention_backend"] = AttnBackend[kw["attention_backend"]]
+    with _assume_transformer_engine(te_version) as assumed:
+        if assumed:
+            kw.update({name: False for name in TE_KERNEL_FIELDS})
+        return MEATransformerConfig(**kw)
+
+
+def padded_vocab_size(args: argparse.Namespace, default_vocab: int = DEFAULT_VOCAB_SIZE) -> int:
+    """Megatron-LM's padded vocabulary: `--vocab-size` (+1 EOD for NullTokenizer), else
+    `default_vocab` (a real tokenizer's size is only known once it is loaded), rounded up to a
+    multiple of `make_vocab_size_divisible_by * TP`."""
+    vocab = args.vocab_size or default_vocab
+    if args.vocab_size and args.tokenizer_type == "NullTokenizer":
+        vocab += 1
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-vocab // multiple) * multiple
+
+
+def dry_run(argv: list, world_size: int, te_version: str = ASSUMED_TE_VERSION) -> dict:
+    """Parse, check and build the config for `argv` on `world_size` ranks; raise DryRunError.
+
+    Returns:
+        `{"args": Namespace, "config": MEATransformerConfig, "size": model_size dict}`.
+    """
+    from megatron_mea.model_size import ModelShape, model_size
+
+    args = parse_training_args(argv)
+    _fill_megatron_defaults(args, world_size)
+    errors = check_launch(args)
+    if errors:
+        raise DryRunError("; ".join(errors))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            config = build_config(args, te_version)
+    except (ValueError, AssertionError, NotImplementedError, TypeError, ImportError) as err:
+        raise DryRunError(f"config: {type(err).__name__}: {err}") from err
+    args.padded_vocab_size = padded_vocab_size(args)
+    return {"args": args, "config": config, "size": model_size(ModelShape.from_args(args))}
+
+
+def main(argv=None) -> int:
+    """CLI: `python -m megatron_mea.integrations.dry_run --world-size N -- <flags>`."""
+    argv = sys.argv[1:] if argv is None else argv
+    own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
+    cli = argparse.ArgumentParser(prog="python -m megatron_mea.integrations.dry_run")
+    cli.add_argument("--world-size", type=int, default=1, help="ranks the launch will start")
+    cli.add_argument("--te-version", default=ASSUMED_TE_VERSION,
+                     help="Transformer Engine version to assume when it is not installed")
+    opts = cli.parse_args(own)
+    try:
+        result = dry_run(rest, opts.world_size, opts.te_version)
+    except DryRunError as err:
+        print(f"DRY RUN FAILED: {err}", file=sys.stderr)
+        return 1
+    args, config, size = result["args"], result["config"], result["size"]
+    print(
+        f"DRY RUN OK: {len(rest)} argument tokens, world size {args.world_size} = "
+        f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x "
+        f"CP {args.context_parallel_size} x DP {args.data_parallel_size}"
+        + (f" (EP {args.expert_model_parallel_size})" if args.num_experts else "")
+    )
+    print(
+        f"  attention_variant={config.attention_variant} "
+        + (f"nc={config.mea_num_kv_components} " if config.attention_variant == "mea" else "")
+        + (f"kha={config.kha_variant}{tuple(config.kha_targets)} "
+           if config.attention_variant == "kha" else "")
+        + f"fp8={config.fp8} fp8_recipe={config.fp8_recipe} bf16={config.bf16}"
+    )
+    print(
+        f"  params: {size['total_params'] / 1e9:.3f}B total, {size['active_params'] / 1e9:.3f}B "
+        f"active; {size['training_flops_per_token'] / 1e9:.2f} GFLOP/token (training); "
+        f"KV cache {size['kv_cache_bytes_per_token']} B/token (bf16)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Parameter counts, training FLOPs and KV-cache size of a GPT config, baseline / MEA / KHA.
+
+Pure arithmetic on a `ModelShape`; `tools/model_size.py` is the command line over it. Notation:
+`L` layers, `h` hidden, `np` query heads, `ng` KV groups, `nc` MEA component heads, `hn` head dim,
+`E` routed experts, `k` top-k, `f` dense FFN width, `fe` expert width, `V` padded vocab, `s` sequence.
+
+What is counted (Megatron-Core's GPTModel, the parameters a checkpoint holds):
+- embedding `V*h` (+ `s*h` for learned absolute positions); output layer `V*h` unless tied;
+- per layer: input norm, `linear_qkv` `h*(np + 2*nkv)*hn` with `nkv = nc` for MEA (the projection
+  produces component heads) and `ng` otherwise, `linear_proj` `np*hn*h`, q/k norms `2*hn`,
+  MEA `head_mix` `2*nc*ng` and `head_norm` `np*hn`, KHA `hn^2` per target (`linear`) or `3*hn^2`
+  (`mlp`), pre-MLP norm, then a dense MLP `(2 if swiglu else 1)*h*f + f*h` or, on MoE layers, a
+  router `h*E`, `E` experts of `(2|1)*h*fe + fe*h` and the shared expert if any;
+- a final norm `h`. Biases where `add_bias_linear` / `add_qkv_bias`; LayerNorm counts weight+bias.
+MTP layers are not counted. Active parameters count `k` of the `E` routed experts per MoE layer.
+
+Training FLOPs per token follow Megatron-LM's `num_floating_point_operations` convention:
+`3 * (forward)` where forward is `2 * (active matmul parameters)` (input embedding and norms
+excluded, output layer and router included) plus causal attention `2 * 2 * np * hn * s / 2` per
+layer, plus the variants' own small matmuls (HLC `2 * 2*nc*ng*hn`, KHA `2*hn^2` per head and target).
+KV-cache bytes per token: `2 (K and V) * L * nkv * hn * bytes_per_element`; MEA with virtual heads
+caches only the `nc` components.
+"""
+
+import dataclasses
+from typing import Optional, Union
+
+
+@dataclasses.dataclass
+class ModelShape:
+    """The sizes that determine parameters and FLOPs (Megatron-LM flag names, underscored)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    vocab_size: int
+    ffn_hidden_size: Optional[int] = None
+    num_query_groups: Optional[int] = None
+    kv_channels: Optional[int] = None
+    seq_length: int = 4096
+    swiglu: bool = True
+    normalization: str = "RMSNorm"
+    qk_layernorm: bool = False
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = True
+    position_embedding_type: str = "rope"
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_layer_freq: Union[int, list] = 1
+    attention_variant: str = "standard"
+    mea_num_kv_components: Optional[int] = None
+    mea_head_norm: bool = True
+    kha_variant: Optional[str] = None
+    kha_targets: Optional[tuple] = None
+
+    def __post_init__(self):
+        self.num_query_groups = self.num_query_groups or self.num_attention_heads
+        self.kv_channels = self.kv_channels or self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_experts and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        if self.attention_variant == "mea" and self.mea_num_kv_components is None:
+            self.mea_num_kv_components = self.num_query_groups
+        if self.attention_variant == "kha":
+            # Defaults as in MEATransformerConfig: mlp (on v) for MoE, linear (on q, k, v) for dense.
+            self.kha_variant = self.kha_variant or ("mlp" if self.num_experts else "linear")
+            if self.kha_targets is None:
+                self.kha_targets = ("v",) if self.kha_variant == "mlp" else ("q", "k", "v")
+
+    @classmethod
+    def from_args(cls, args) -> "ModelShape":
+        """From a Megatron-LM-style args namespace (plus the plugin flags, if present).
+
+        Uses `padded_vocab_size` when set, else `vocab_size`; `num_query_groups` only with
+        `group_query_attention`, as Megatron-LM does.
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        kwargs["vocab_size"] = getattr(args, "padded_vocab_size", None) or args.vocab_size
+        if not getattr(args, "group_query_attention", False):
+            kwargs.pop("num_query_groups", None)
+        return cls(**kwargs)
+
+    @property
+    def kv_heads_stored(self) -> int:
+        """K/V heads `linear_qkv` produces and the cache holds: `nc` for MEA, else `ng`."""
+        if self.attention_variant == "mea":
+            return self.mea_num_kv_components
+        return self.num_query_groups
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether 0-based `layer` is an MoE layer under `moe_layer_freq` (Megatron's rule)."""
+        if not self.num_experts:
+            return False
+        if isinstance(self.moe_layer_freq, int):
+            return layer % self.moe_layer_freq == 0
+        return bool(self.moe_layer_freq[layer])
+
+
+def _norm(shape: ModelShape, width: int) -> int:
+    return width if shape.normalization == "RMSNorm" else 2 * width
+
+
+def _mlp(shape: ModelShape, width: int) -> int:
+    gated = 2 if shape.swiglu else 1
+    bias = (gated * width + shape.hidden_size) if shape.add_bias_linear else 0
+    return gated * shape.hidden_size * width + width * shape.hidden_size + bias
+
+
+def attention_params(shape: ModelShape) -> dict:
+    """Per-layer attention parameters, split into `matmul` (q/k/v/o) and the variant's `extra`."""
+    h, np_, hn, ng, nkv = (shape.hidden_size, shape.num_attention_heads, shape.kv_channels,
+                           shape.num_query_groups, shape.kv_heads_stored)
+    qkv_out = (np_ + 2 * nkv) * hn
+    matmul = h * qkv_out + np_ * hn * h
+    extra = _norm(shape, h)  # input layernorm (fused into linear_qkv with TE)
+    if shape.add_bias_linear or shape.add_qkv_bias:
+        extra += qkv_out
+    if shape.add_bias_linear:
+        extra += h
+    if shape.qk_layernorm:
+        extra += 2 * _norm(shape, hn)
+    if shape.attention_variant == "mea":
+        extra += 2 * nkv * ng + (np_ * hn if shape.mea_head_norm else 0)
+    elif shape.attention_variant == "kha":
+        extra += (3 if shape.kha_variant == "mlp" else len(shape.kha_targets)) * hn * hn
+    return {"matmul": matmul, "extra": extra}
+
+
+def variant_forward_flops(shape: ModelShape) -> int:
+    """Forward FLOPs per token per layer of the variant's own ops (HLC or KHA matmuls)."""
+    hn, np_, ng = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups
+    if shape.attention_variant == "mea":
+        return 2 * 2 * shape.kv_heads_stored * ng * hn
+    if shape.attention_variant == "kha":
+        if shape.kha_variant == "mlp":
+            return 3 * 2 * hn * hn * ng
+        heads = {"q": np_, "k": ng, "v": ng}
+        return sum(2 * hn * hn * heads[t] for t in shape.kha_targets)
+    return 0
+
+
+def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
+    """Total and active parameters, training FLOPs per token and KV-cache bytes per token.
+
+    Args:
+        shape: the model.
+        bytes_per_element: KV-cache element size (2 for bf16, 1 for fp8). Default: 2.
+
+    Returns:
+        dict with `total_params`, `active_params`, `embedding_params`, `expert_params`,
+        `training_flops_per_token`, `kv_cache_bytes_per_token`, `kv_heads_stored`.
+    """
+    h, V = shape.hidden_size, shape.vocab_size
+    embedding = V * h + (shape.seq_length * h if shape.position_embedding_type == "learned_absolute" else 0)
+    output = V * h if shape.untie_embeddings_and_output_weights else 0
+    total = active = embedding + output + _norm(shape, h)
+    matmul_active = output if output else V * h  # a tied output layer still multiplies
+    experts_total = 0
+    attn = attention_params(shape)
+    for layer in range(shape.num_layers):
+        layer_params = attn["matmul"] + attn["extra"] + _norm(shape, h)
+        layer_matmul = attn["matmul"]
+        if shape.is_moe_layer(layer):
+            expert = _mlp(shape, shape.moe_ffn_hidden_size)
+            shared = (_mlp(shape, shape.moe_shared_expert_intermediate_size)
+                      if shape.moe_shared_expert_intermediate_size else 0)
+            router = h * shape.num_experts
+            experts_total += shape.num_experts * expert
+            total += layer_params + router + shared + shape.num_experts * expert
+            active += layer_params + router + shared + shape.moe_router_topk * expert
+            layer_matmul += router + shared + shape.moe_router_topk * expert
+        else:
+            mlp = _mlp(shape, shape.ffn_hidden_size)
+            total += layer_params + mlp
+            active += layer_params + mlp
+            layer_matmul += mlp
+        matmul_active += layer_matmul
+    attention_flops = 2 * 2 * shape.num_attention_heads * shape.kv_channels * shape.seq_length / 2
+    forward = 2 * matmul_active + shape.num_layers * (attention_flops + variant_forward_flops(shape))
+    return {
+        "total_params": total,
+        "active_params": active,
+        "embedding_params": embedding + output,
+        "expert_params": experts_total,
+        "training_flops_per_token": int(3 * forward),
+        "kv_cache_bytes_per_token": (
+            2 * shape.num_layers * shape.kv_heads_stored * shape.kv_channels * bytes_per_element
+        ),
+        "kv_heads_stored": shape.kv_heads_stored,
+    }

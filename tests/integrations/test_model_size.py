@@ -1,0 +1,76 @@
+"""tools/model_size.py: parameter counts, FLOPs and KV-cache bytes for baseline / MEA / KHA."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from megatron_mea.model_size import ModelShape, model_size
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The KHA paper's main model as in examples/megatron_lm/kha_moe_6b_a1b.sh.
+KHA_6B = dict(num_layers=24, hidden_size=1408, num_attention_heads=32, num_query_groups=4,
+              kv_channels=128, vocab_size=128256, seq_length=8192, qk_layernorm=True,
+              num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=416)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(attention_variant="kha"),
+                                     dict(attention_variant="mea")], ids=["baseline", "kha", "mea"])
+def test_6b_example_is_within_2_percent_of_6_1b_total_and_1_01b_active(variant):
+    size = model_size(ModelShape(**KHA_6B, **variant))
+    assert size["total_params"] == pytest.approx(6.1e9, rel=0.02)
+    assert size["active_params"] == pytest.approx(1.01e9, rel=0.02)
+
+
+@pytest.mark.parametrize("nc", [1, 2, 4])
+def test_mea_virtual_heads_cache_exactly_nc_over_ng_of_the_baseline(nc):
+    base = model_size(ModelShape(**KHA_6B))["kv_cache_bytes_per_token"]
+    mea = model_size(ModelShape(**KHA_6B, attention_variant="mea", mea_num_kv_components=nc))
+    assert mea["kv_cache_bytes_per_token"] * 4 == base * nc
+    assert base == 2 * 24 * 4 * 128 * 2
+
+
+def test_variant_parameter_overheads_match_the_papers():
+    hn, L, np_, ng = 128, 24, 32, 4
+    base = model_size(ModelShape(**KHA_6B))["total_params"]
+    kha_mlp = model_size(ModelShape(**KHA_6B, attention_variant="kha"))["total_params"]
+    kha_lin = model_size(ModelShape(**KHA_6B, attention_variant="kha", kha_variant="linear",
+                                    kha_targets=("q", "k")))["total_params"]
+    mea = model_size(ModelShape(**KHA_6B, attention_variant="mea"))["total_params"]
+    assert kha_mlp - base == L * 3 * hn * hn
+    assert kha_lin - base == L * 2 * hn * hn
+    assert mea - base == L * (2 * ng * ng + np_ * hn)
+
+
+def test_llama_3_2_1b_shape_has_its_published_size():
+    # Llama-3.2-1B: 1,235,814,400 parameters with tied embeddings.
+    shape = ModelShape(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
+                       num_attention_heads=32, num_query_groups=8, kv_channels=64,
+                       vocab_size=128256, untie_embeddings_and_output_weights=False)
+    assert model_size(shape)["total_params"] == 1_235_814_400
+
+
+def test_dense_training_flops_follow_6n_plus_causal_attention():
+    shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
+                       seq_length=32, swiglu=False)
+    matmul = 2 * (4 * 64 * 64 + 2 * 64 * 256) + 128 * 64  # attention + MLP per layer, output
+    attention = 6 * 2 * 32 * 4 * 16  # 3 * L * (QK^T + AV: 2 * 2 * s * np * hn) / 2 (causal)
+    assert model_size(shape)["training_flops_per_token"] == 6 * matmul + attention
+
+
+def test_cli_takes_launch_flags(capsys):
+    spec = importlib.util.spec_from_file_location("model_size_cli", REPO / "tools" / "model_size.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    size = cli.main(
+        ["--json", "--num-layers", "24", "--hidden-size", "1408", "--num-attention-heads", "32",
+         "--group-query-attention", "--num-query-groups", "4", "--kv-channels", "128", "--swiglu",
+         "--num-experts", "128", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "416",
+         "--qk-layernorm", "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
+         "--seq-length", "8192", "--vocab-size", "128256", "--attention-variant", "mea",
+         "--mea-num-kv-components", "2", "--disable-bias-linear", "--position-embedding-type",
+         "rope"]
+    )
+    assert size == model_size(ModelShape(**KHA_6B, attention_variant="mea", mea_num_kv_components=2))
+    assert '"kv_cache_bytes_per_token": 24576' in capsys.readouterr().out
