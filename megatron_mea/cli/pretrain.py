@@ -19,9 +19,14 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2
-    from megatron_mea.training.loop import pretrain
+    from megatron_mea.training.checkpointing import CheckpointError
+    from megatron_mea.training.loop import TrainingStopped, pretrain
 
-    pretrain(args)
+    try:
+        pretrain(args)
+    except (TrainingStopped, CheckpointError) as exc:
+        print(f"mea-pretrain: stopped: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -105,6 +105,11 @@ class PretrainArgs:
     exit_interval: Optional[int] = None
     """Stop (after saving) once this many iterations have run in this process; for tests and
     preemption drills."""
+    nan_policy: str = "skip"
+    """On a NaN/Inf loss or grad norm: `skip` the update (data still advances) or `stop` the run,
+    keeping the last good checkpoint."""
+    nan_max_consecutive_skips: int = 10
+    """With nan_policy=skip, stop after this many non-finite steps in a row."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -131,6 +136,7 @@ _CHOICES = {
     "tokenizer_type": ("ByteLevelTokenizer", "HuggingFaceTokenizer"),
     "fp8_format": ("e4m3", "hybrid"),
     "fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
+    "nan_policy": ("skip", "stop"),
 }
 
 

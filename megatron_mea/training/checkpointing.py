@@ -15,11 +15,17 @@ import numpy
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
+from torch.distributed.checkpoint import FileSystemReader
 
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked: the message names the file or tensor."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -35,8 +41,82 @@ def latest_iteration(root: str):
     with open(path, encoding="utf-8") as handle:
         text = handle.read().strip()
     if not text.isdigit():
-        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}")
     return int(text)
+
+
+def verify_checkpoint(directory: str, model) -> None:
+    """Refuse a partial, corrupt or foreign checkpoint before any collective load starts.
+
+    Every rank runs the same checks on the same files, so all of them raise together instead of
+    some waiting forever in a collective. Checks: the directory and Megatron's `metadata.json` /
+    `common.pt` exist; every byte range the torch_dist index points at lies inside an existing
+    shard file (missing or truncated shards); the model tensors are exactly the ones this model
+    expects, with the same global shapes (another model's checkpoint).
+
+    Raises:
+        CheckpointError: naming the file or tensor and the problem.
+    """
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: checkpoint directory is missing")
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not os.path.exists(os.path.join(directory, name)):
+            raise CheckpointError(f"{os.path.join(directory, name)}: missing (partial checkpoint)")
+    try:
+        index = FileSystemReader(directory).read_metadata()
+    except Exception as exc:  # unreadable index: report it as such, whatever torch raised
+        raise CheckpointError(f"{os.path.join(directory, '.metadata')}: unreadable ({exc})") from exc
+    sizes = {}
+    for item in index.storage_data.values():
+        path = os.path.join(directory, item.relative_path)
+        if path not in sizes:
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: shard file is missing")
+            sizes[path] = os.path.getsize(path)
+        if item.offset + item.length > sizes[path]:
+            raise CheckpointError(
+                f"{path}: truncated ({sizes[path]} bytes, the index needs "
+                f"{item.offset + item.length})"
+            )
+    saved = {key: tuple(meta.size) for key, meta in index.state_dict_metadata.items()
+             if hasattr(meta, "size") and not key.startswith("optimizer.")}
+    problem, expected = _model_tensor_problem(directory, saved, model)
+    # Each pipeline stage expects only its own layers: pool the verdicts and the expected keys,
+    # so that every rank raises the same error (a rank raising alone would leave the others
+    # waiting in the next collective).
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (problem, expected))
+    problems = [p for p, _ in verdicts if p]
+    if problems:
+        raise CheckpointError(problems[0])
+    extra = sorted(set(saved) - set().union(*(keys for _, keys in verdicts)))
+    if extra:
+        raise CheckpointError(
+            f"{directory}: {len(extra)} tensors of the checkpoint are not in this model, e.g. "
+            f"{extra[0]!r} (a checkpoint of another model?)"
+        )
+
+
+def _model_tensor_problem(directory, saved, model):
+    """(first problem or None, keys this rank's model expects) against the saved shapes."""
+    sharded = model.sharded_state_dict()
+    apply_factories(sharded)  # e.g. SwiGLU fc1 is saved as two tensors
+    expected = {}
+    for value in nested_values(sharded):
+        if isinstance(value, ShardedTensor):
+            expected[value.key] = (tuple(value.global_shape), value.allow_shape_mismatch)
+    for key, (shape, any_shape) in sorted(expected.items()):
+        if key not in saved:
+            return (
+                f"{directory}: tensor {key!r} {list(shape)} is not in the checkpoint (a "
+                "checkpoint of another model?)"
+            ), set(expected)
+        if saved[key] != shape and not any_shape:
+            return (
+                f"{directory}: tensor {key!r} has shape {list(saved[key])} in the checkpoint, "
+                f"this model expects {list(shape)}"
+            ), set(expected)
+    return None, set(expected)
 
 
 def parallel_layout() -> dict:
@@ -141,6 +221,8 @@ def load_checkpoint(root, model, optimizer, scheduler, load_optim=True, load_rng
     if iteration is None:
         raise FileNotFoundError(f"no {TRACKER} in {root!r}: nothing to load")
     directory = checkpoint_dir(root, iteration)
+    verify_checkpoint(directory, model)
+    state = {"model": model.sharded_state_dict()}
     common = dist_checkpointing.load_common_state_dict(directory)
     same_layout = common.get("parallel_layout") == parallel_layout()
     if not same_layout:
@@ -149,7 +231,6 @@ def load_checkpoint(root, model, optimizer, scheduler, load_optim=True, load_rng
             "RNG states are per layout)", directory, common.get("parallel_layout"),
             parallel_layout(),
         )
-    state = {"model": model.sharded_state_dict()}
     if load_optim and same_layout:
         state["optimizer"] = optimizer.sharded_state_dict(state["model"], is_loading=True)
     if load_rng and same_layout:

@@ -7,6 +7,7 @@ schedules' `forward_backward_func` (micro-batches, gradient accumulation, PP), t
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from functools import partial
@@ -35,6 +36,10 @@ from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
 logger = logging.getLogger(__name__)
 
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+
+
+class TrainingStopped(RuntimeError):
+    """The run stopped on purpose (non-finite loss or grad norm under the `stop` policy)."""
 
 
 def initialize(args: PretrainArgs) -> None:
@@ -170,6 +175,7 @@ class Trainer:
             self.train_data, args.micro_batch_size, dp_rank, self.dp_size, consumed
         )
         self.valid_consumed = 0
+        self.nan_streak = 0
         self.forward_backward = get_forward_backward_func()
         self.telemetry = GpuTelemetry()
         self.tensorboard = TensorBoard(args.tensorboard_dir if self.rank == 0 else None)
@@ -202,12 +208,22 @@ class Trainer:
                 micro_batch_size=args.micro_batch_size,
                 forward_only=False,
             )
-            update_ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
+            loss = _mean_over_data_parallel(loss_dicts)
+            # Checked before the update: Megatron's fp32/bf16 step would apply NaN gradients.
+            # The norm is computed once more inside step(); the price of never corrupting weights.
+            self.optimizer.prepare_grads()
+            grad_norm = float(self.optimizer.get_grad_norm())
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)
+            update_ok = finite and self.optimizer.step()[0]
+        if finite:
+            self.scheduler.step(increment=1)
+            self.nan_streak = 0
+        else:
+            self._non_finite(loss, grad_norm)
         scalars = {
-            "lm loss": _mean_over_data_parallel(loss_dicts),
+            "lm loss": loss,
             "lr": self.optimizer.param_groups[0]["lr"],
-            "grad norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "grad norm": grad_norm,
             "skipped": int(not update_ok),
         }
         if self.moe_track_names:
@@ -224,6 +240,26 @@ class Trainer:
                 )
             scalars.update({name: float(value) for name, value in moe.items()})
         return scalars
+
+    def _non_finite(self, loss: float, grad_norm: float) -> None:
+        """Apply `nan_policy` to a step whose loss or grad norm is NaN/Inf (all ranks agree:
+        both values are reduced over the whole model)."""
+        args, step = self.args, self.iteration + 1
+        self.nan_streak += 1
+        logger.warning(
+            "rank %d: iteration %d has a non-finite lm loss (%s) or grad norm (%s); policy %s",
+            self.rank, step, loss, grad_norm, args.nan_policy,
+        )
+        if args.nan_policy == "stop":
+            raise TrainingStopped(
+                f"iteration {step}: non-finite lm loss ({loss}) or grad norm ({grad_norm}); "
+                f"stopped with nan_policy=stop, the last good checkpoint is kept"
+            )
+        if self.nan_streak >= args.nan_max_consecutive_skips:
+            raise TrainingStopped(
+                f"iteration {step}: {self.nan_streak} non-finite steps in a row "
+                f"(nan_max_consecutive_skips={args.nan_max_consecutive_skips}); stopped"
+            )
 
     def evaluate(self) -> float:
         """Mean validation loss over `eval_iters` global batches (no gradients)."""

@@ -1,0 +1,172 @@
+"""Crash-safe checkpoints, refusal of bad checkpoints, and the NaN policy (real processes)."""
+
+import os
+import shutil
+import signal
+
+import pytest
+
+from tests._dist import run_distributed
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",
+    "--moe-ffn-hidden-size", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
+    "--mock-data", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
+    "--no-progress-bar", "--attention-variant", "mea",
+]
+
+
+def _train(rank, world_size, argv, sabotage=None):
+    """Run mea-pretrain; `sabotage` names a fault to inject into this process."""
+    from megatron_mea.training import checkpointing, loop
+    from megatron_mea.training.arguments import parse_args
+
+    if sabotage is not None:
+        _install(sabotage, checkpointing, loop)
+    return [record["lm loss"] for record in loop.pretrain(parse_args(argv))]
+
+
+def _install(sabotage, checkpointing, loop):
+    kind, when = sabotage
+
+    def kill():
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if kind == "nan":  # the loss of every micro-batch of iteration `when` becomes NaN
+        original, calls = loop._masked_mean_loss, [0]
+
+        def nan_loss(mask, output):
+            calls[0] += 1
+            loss, report = original(mask, output)
+            if (calls[0] - 1) // 2 + 1 == when:  # two micro-batches per iteration
+                loss = loss * float("nan")
+                report = {"lm loss": loss.detach().clone()}
+            return loss, report
+
+        loop._masked_mean_loss = nan_loss
+        return
+    save, rename, replace = (
+        checkpointing.dist_checkpointing.save, checkpointing.os.rename, checkpointing.os.replace
+    )
+    target = f"iter_{when:07d}"
+
+    def save_then_die(state, directory):  # shards half written
+        save(state, directory)
+        if target in directory:
+            shard = sorted(f for f in os.listdir(directory) if f.endswith(".distcp"))[0]
+            with open(os.path.join(directory, shard), "r+b") as handle:
+                handle.truncate(os.path.getsize(handle.name) // 2)
+            kill()
+
+    # These patch the os module for everyone (torch renames its own files with Paths too), so
+    # they act only on the plugin's own renames.
+    def rename_or_die(src, dst):
+        if str(src).endswith(target + ".tmp"):
+            kill()
+        rename(src, dst)
+
+    def replace_or_die(src, dst):
+        pointer = str(src).endswith("latest_checkpointed_iteration.txt.tmp")
+        if pointer and open(src).read() == str(when):
+            kill()
+        replace(src, dst)
+
+    if kind == "during-shard-write":
+        checkpointing.dist_checkpointing.save = save_then_die
+    elif kind == "before-rename":
+        checkpointing.os.rename = rename_or_die
+    elif kind == "before-pointer-update":
+        checkpointing.os.replace = replace_or_die
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return run_distributed(_train, 1, [*TINY, "--train-iters", "8"])[0]
+
+
+@pytest.mark.parametrize("point", ["during-shard-write", "before-rename", "before-pointer-update"])
+def test_sigkill_during_save_keeps_the_last_checkpoint_and_resume_is_exact(
+    tmp_path, uninterrupted, point
+):
+    ckpt = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "8", "--save", ckpt, "--save-interval", "3"]
+    with pytest.raises(RuntimeError, match="distributed run failed"):
+        run_distributed(_train, 1, argv, (point, 6))  # killed while saving iteration 6
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as handle:
+        assert handle.read() == "3"
+    resumed = run_distributed(_train, 1, [*argv, "--load", ckpt])[0]
+    assert resumed == uninterrupted[3:]
+
+
+def test_nan_step_is_skipped_and_training_continues(uninterrupted):
+    losses = run_distributed(_train, 1, [*TINY, "--train-iters", "8"], ("nan", 3))[0]
+    assert losses[:2] == uninterrupted[:2]
+    assert losses[2] != losses[2]  # NaN reported for the skipped step
+    assert all(loss == loss for loss in losses[3:])  # no NaN leaked into the weights
+
+
+def test_nan_stop_policy_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "8", "--save", ckpt, "--save-interval", "2",
+            "--nan-policy", "stop"]
+    with pytest.raises(RuntimeError, match=r"iteration 5: non-finite lm loss .* nan_policy=stop"):
+        run_distributed(_train, 1, argv, ("nan", 5))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as handle:
+        assert handle.read() == "4"
+    assert run_distributed(_train, 1, [*argv, "--load", ckpt, "--nan-policy", "skip"])[0]
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("good") / "ckpt")
+    run_distributed(_train, 1, [*TINY, "--train-iters", "2", "--save", ckpt])
+    return ckpt
+
+
+def _corrupt(saved, tmp_path, how):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved, ckpt)
+    iteration = os.path.join(ckpt, "iter_0000002")
+    shard = os.path.join(iteration, sorted(f for f in os.listdir(iteration) if f.endswith(".distcp"))[0])
+    if how == "missing shard":
+        os.remove(shard)
+    elif how == "truncated shard":
+        with open(shard, "r+b") as handle:
+            handle.truncate(100)
+    elif how == "missing common.pt":
+        os.remove(os.path.join(iteration, "common.pt"))
+    elif how == "bad pointer":
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
+            handle.write("two")
+    return ckpt, shard
+
+
+@pytest.mark.parametrize(
+    "how,match",
+    [
+        ("missing shard", r"__0_0.distcp: shard file is missing"),
+        ("truncated shard", r"__0_0.distcp: truncated \(100 bytes"),
+        ("missing common.pt", r"common.pt: missing \(partial checkpoint\)"),
+        ("bad pointer", r"latest_checkpointed_iteration.txt: expected an iteration number"),
+    ],
+)
+def test_corrupt_checkpoint_is_refused_naming_the_file(saved_checkpoint, tmp_path, how, match):
+    ckpt, _ = _corrupt(saved_checkpoint, tmp_path, how)
+    with pytest.raises(RuntimeError, match=match):
+        run_distributed(_train, 1, [*TINY, "--train-iters", "4", "--load", ckpt])
+
+
+def test_checkpoint_of_another_model_is_refused_naming_tensor_and_shapes(saved_checkpoint):
+    argv = [*TINY, "--train-iters", "4", "--load", saved_checkpoint, "--hidden-size", "96"]
+    with pytest.raises(RuntimeError, match=r"tensor '.*' has shape \[.*64.*\] in the checkpoint, "
+                                           r"this model expects \[.*96.*\]"):
+        run_distributed(_train, 1, argv)
+    # Megatron stacks layers into one tensor per kind: a deeper model shows as a shape mismatch.
+    deeper = [*TINY, "--train-iters", "4", "--load", saved_checkpoint, "--num-layers", "3"]
+    with pytest.raises(RuntimeError, match=r"has shape \[2, .*\] in the checkpoint, this model "
+                                           r"expects \[3, "):
+        run_distributed(_train, 1, deeper)
+    mha = [*TINY, "--train-iters", "4", "--load", saved_checkpoint, "--attention-variant", "kha"]
+    with pytest.raises(RuntimeError, match=r"tensor '.*knock.*' .* is not in the checkpoint"):
+        run_distributed(_train, 1, mha)
