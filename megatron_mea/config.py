@@ -77,6 +77,7 @@ class MEATransformerConfig(TransformerConfig):
             # Before Megatron's own checks, so the user hears about the variant conflict first.
             self._check_unsupported_features()
         super().__post_init__()
+        self._check_head_counts()
         if self.attention_variant == "standard":
             self._warn_ignored_fields()
             return
@@ -87,6 +88,14 @@ class MEATransformerConfig(TransformerConfig):
             self._check_kha()
 
     # ---- validation, one method per group of fields ------------------------------------------
+
+    def _check_head_counts(self):
+        # Megatron accepts these and fails later inside a layer constructor.
+        np_, ng = self.num_attention_heads, self.num_query_groups
+        if ng < 1 or np_ % ng:
+            raise ValueError(
+                f"num_query_groups ({ng}) must be a positive divisor of num_attention_heads ({np_})"
+            )
 
     def _warn_ignored_fields(self):
         set_fields = [
