@@ -1,0 +1,112 @@
+"""Soak test (not in CI): multi-process training killed at random moments and resumed.
+
+Each episode trains a small MoE GPT with MEA for `--iters` steps twice on `--world-size` processes
+(torchrun, gloo on CPU): once uninterrupted (the reference), once under fire: the whole process
+group is SIGKILLed after a random delay, then relaunched with `--load`, until the run finishes.
+The episode passes when every iteration 1..N has a loss in the killed run's metrics (nothing lost)
+and each equals the reference bit for bit (no step repeated or skipped: data position, optimizer,
+RNG and weights all resumed exactly). Episodes repeat until `--minutes` have passed.
+
+    python tools/soak.py --minutes 20 --world-size 2
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--seq-length", "64", "--num-experts", "4",
+    "--moe-ffn-hidden-size", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--mock-data", "--eval-interval", "100000", "--log-interval", "100000", "--no-progress-bar",
+    "--attention-variant", "mea", "--lr", "3e-3", "--min-lr", "3e-4",
+]
+
+
+def launch(world_size, argv, log):
+    """torchrun in a new session, so the whole group can be killed at once."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
+               "--master-port", str(random.randint(20000, 40000)), "-m", "megatron_mea.pretrain",
+               *argv]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def losses(save_dir):
+    """iteration -> loss, the last record of each iteration winning (redone steps overwrite)."""
+    result = {}
+    with open(os.path.join(save_dir, "metrics.jsonl"), encoding="utf-8") as handle:
+        for line in handle:
+            record = json.loads(line)
+            result[record["iteration"]] = record["lm loss"]
+    return result
+
+
+def episode(workdir, args, rng, log):
+    """One reference run and one killed-and-resumed run; returns (kills, problems)."""
+    common = [*MODEL, "--train-iters", str(args.iters), "--save-interval", str(args.save_interval),
+              "--seed", str(rng.randint(1, 10**6)), *args.parallel]
+    reference_dir, soak_dir = os.path.join(workdir, "reference"), os.path.join(workdir, "soak")
+    if launch(args.world_size, [*common, "--save", reference_dir], log).wait() != 0:
+        return 0, ["reference run failed"]
+    kills = 0
+    while True:
+        process = launch(args.world_size, [*common, "--save", soak_dir, "--load", soak_dir], log)
+        try:
+            code = process.wait(timeout=rng.uniform(args.kill_min, args.kill_max))
+            if code != 0:
+                return kills, [f"run exited with {code}"]
+            break
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            kills += 1
+    expected, got = losses(reference_dir), losses(soak_dir)
+    problems = [f"iteration {i} lost" for i in range(1, args.iters + 1) if i not in got]
+    problems += [f"iteration {i}: {got[i]} != {expected[i]}" for i in expected
+                 if i in got and got[i] != expected[i]]
+    return kills, problems
+
+
+def main(argv=None) -> int:
+    """Run episodes until the time budget is spent; exit 1 on any lost or repeated step."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=60)
+    parser.add_argument("--save-interval", type=int, default=7)
+    parser.add_argument("--kill-min", type=float, default=8.0, help="seconds")
+    parser.add_argument("--kill-max", type=float, default=25.0, help="seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parallel", nargs="*", default=["--tensor-model-parallel-size", "2",
+                                                          "--sequence-parallel"])
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    deadline = time.time() + 60 * args.minutes
+    total_kills, episodes, failures = 0, 0, 0
+    while time.time() < deadline:
+        workdir = tempfile.mkdtemp(prefix="mea-soak-")
+        with open(os.path.join(workdir, "log.txt"), "w") as log:
+            kills, problems = episode(workdir, args, rng, log)
+        episodes += 1
+        total_kills += kills
+        status = "ok" if not problems else "FAILED: " + "; ".join(problems[:5])
+        print(f"episode {episodes}: {args.iters} iterations, {kills} kills -> {status}", flush=True)
+        if problems:
+            failures += 1
+            print(f"  logs kept in {workdir}")
+        else:
+            shutil.rmtree(workdir)
+    print(f"{episodes} episodes, {total_kills} SIGKILLs, {failures} failed "
+          f"({60 * args.minutes:.0f} s budget)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
