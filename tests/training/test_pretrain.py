@@ -63,7 +63,10 @@ def test_two_process_run_lowers_the_loss(text_dataset, tmp_path, parallel):
 def test_interrupted_and_resumed_run_reproduces_the_loss_sequence_exactly(text_dataset, tmp_path):
     common = [*SMALL, "--data-path", text_dataset, "--train-iters", "12",
               "--attention-variant", "mea", "--data-cache-path", str(tmp_path / "cache")]
-    full = run_distributed(_train, 1, [*common, "--save", str(tmp_path / "full")])[0]
+    full = run_distributed(_train, 1, [*common, "--save", str(tmp_path / "full"),
+                                       "--tensorboard-dir", str(tmp_path / "tb")])[0]
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "tb"))
+    assert (tmp_path / "full" / "config.yaml").exists()
     interrupted = str(tmp_path / "interrupted")
     first = run_distributed(_train, 1, [*common, "--save", interrupted, "--exit-interval", "5"])[0]
     second = run_distributed(_train, 1, [*common, "--save", interrupted, "--load", interrupted])[0]
