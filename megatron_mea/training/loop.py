@@ -4,7 +4,6 @@ GPTModel + DDP + Megatron optimizer + `OptimizerParamScheduler`; every step runs
 schedules' `forward_backward_func` (micro-batches, gradient accumulation, PP), then the optimizer.
 """
 
-import dataclasses
 import json
 import logging
 import math
@@ -306,7 +305,8 @@ class Trainer:
             window_start = time.perf_counter()
             scalars["tokens/s"] = tokens_per_step / elapsed
             scalars.update(self.telemetry.read())
-            if self.iteration % args.eval_interval == 0 or self.iteration == args.train_iters:
+            due = self.iteration % args.eval_interval == 0 or self.iteration == args.train_iters
+            if due and self.valid_data is not None:  # no validation split: nothing to evaluate
                 scalars["valid loss"] = self.evaluate()
                 window_start = time.perf_counter()
             record = {"iteration": self.iteration, **scalars}
@@ -352,7 +352,3 @@ def pretrain(args: PretrainArgs) -> list:
     finally:
         parallel_state.destroy_model_parallel()
 
-
-def args_dict(args: PretrainArgs) -> dict:
-    """The arguments as a plain dict (for logs and summaries)."""
-    return dataclasses.asdict(args)
