@@ -1,0 +1,149 @@
+"""Load a `mea-pretrain` checkpoint for inference at any tensor-parallel size.
+
+A run directory holds `config.yaml` (the run's `PretrainArgs`), `latest_checkpointed_iteration.txt`
+and `iter_XXXXXXX/` torch_dist checkpoints (see `megatron_mea.training.checkpointing`). The model is
+rebuilt from the saved arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1;
+no sequence parallelism) and its weights are read through `dist_checkpointing`, which reshards
+them from whatever layout they were saved at.
+"""
+
+import dataclasses
+import logging
+import os
+import re
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+
+from megatron_mea.training import checkpointing
+from megatron_mea.training.arguments import PretrainArgs, load_yaml
+
+logger = logging.getLogger(__name__)
+
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+@dataclass
+class InferenceModel:
+    """A model loaded for generation.
+
+    Attributes:
+        model: the GPTModel (this rank's TP shard), in eval mode.
+        tokenizer: the run's tokenizer.
+        args: the run's arguments with the inference layout.
+        iteration: the checkpoint's training iteration.
+        checkpoint: the `iter_XXXXXXX` directory read.
+    """
+
+    model: object
+    tokenizer: object
+    args: PretrainArgs
+    iteration: int
+    checkpoint: str
+
+
+def resolve_checkpoint(path: str, iteration: int | None = None):
+    """Find the run directory and the checkpoint to read.
+
+    Args:
+        path: a run directory (`--save` of `mea-pretrain`) or one of its `iter_XXXXXXX` folders.
+        iteration: which checkpoint of a run directory. Default: the latest complete one.
+
+    Returns:
+        (run directory, checkpoint directory, iteration).
+
+    Raises:
+        FileNotFoundError: when there is no `config.yaml` or no such checkpoint.
+        ValueError: when `iteration` contradicts an `iter_XXXXXXX` path.
+    """
+    path = os.path.abspath(path)
+    match = _ITER_DIR.match(os.path.basename(path))
+    if match:
+        root, found = os.path.dirname(path), int(match.group(1))
+        if iteration is not None and iteration != found:
+            raise ValueError(f"iteration ({iteration}) contradicts the checkpoint path {path!r}")
+        iteration = found
+    else:
+        root = path
+        if iteration is None:
+            iteration = checkpointing.latest_iteration(root)
+        if iteration is None:
+            raise FileNotFoundError(
+                f"{root!r} has no {checkpointing.TRACKER}: pass an iter_XXXXXXX directory or "
+                "an iteration"
+            )
+    directory = checkpointing.checkpoint_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"no checkpoint directory {directory!r}")
+    if not os.path.isfile(os.path.join(root, "config.yaml")):
+        raise FileNotFoundError(f"no config.yaml in {root!r} (the run's saved arguments)")
+    return root, directory, iteration
+
+
+def inference_args(args: PretrainArgs, tp: int) -> PretrainArgs:
+    """The run's arguments with the inference layout: TP `tp`, everything else unsharded."""
+    return dataclasses.replace(
+        args,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        expert_model_parallel_size=1,
+        expert_tensor_parallel_size=None,
+        sequence_parallel=False,
+        use_distributed_optimizer=False,
+        load=None,
+        save=None,
+    )
+
+
+def load_for_inference(
+    checkpoint_dir: str, tp: int = 1, *, iteration: int | None = None
+) -> InferenceModel:
+    """Build the run's model at tensor-parallel size `tp` and load a checkpoint into it.
+
+    Initialises the process group if needed (a world of one when launched without torchrun) and
+    (re)initialises Megatron's parallel state at TP `tp`; every rank of the world calls it, and
+    the world size must be a multiple of `tp` (extra ranks are data-parallel replicas).
+
+    Args:
+        checkpoint_dir: a run directory or an `iter_XXXXXXX` folder of one.
+        tp: tensor-parallel size to run at (independent of the size it was trained at).
+        iteration: checkpoint of a run directory to read. Default: the latest.
+
+    Returns:
+        An `InferenceModel`.
+
+    Raises:
+        FileNotFoundError: no run directory, `config.yaml` or checkpoint where pointed.
+        ValueError: `tp` does not divide the world size, or the model cannot be split into `tp`
+            (e.g. MEA with `mea_num_kv_components` not a multiple of `tp`).
+        CheckpointError: a partial or corrupt checkpoint, or one of another model
+            (`megatron_mea.training.checkpointing.verify_checkpoint`).
+    """
+    from megatron_mea.data import build_tokenizer
+    from megatron_mea.training.loop import initialize
+    from megatron_mea.training.model import build_model, transformer_config
+
+    root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+    if tp < 1 or world % tp:
+        raise ValueError(
+            f"tp ({tp}) must divide the world size ({world}); launch with torchrun "
+            f"--nproc-per-node {tp} (or a multiple)"
+        )
+    args = inference_args(PretrainArgs(**load_yaml(os.path.join(root, "config.yaml"))), tp)
+    config = transformer_config(args, world)  # validates the variant at this TP, before any init
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    initialize(args)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    if args.vocab_size is None:
+        args.vocab_size = tokenizer.vocab_size
+    model = build_model(args, config, pre_process=True, post_process=True)
+    checkpointing.verify_checkpoint(directory, model)
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    model.load_state_dict(state["model"])
+    model.eval()
+    logger.info("loaded %s (iteration %d) at TP=%d", directory, iteration, tp)
+    return InferenceModel(model, tokenizer, args, iteration, directory)

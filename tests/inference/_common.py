@@ -1,0 +1,45 @@
+"""Shared pieces of the inference tests: the variants, a token-id tokenizer, the reference."""
+
+import torch
+
+from tests._models import VOCAB
+
+VARIANTS = [
+    ("baseline", dict(variant="standard")),
+    ("mea", dict(variant="mea", mea_mix_init="normal")),
+    ("mea-half", dict(variant="mea", mea_num_kv_components=2, mea_mix_init="normal")),
+    ("kha", dict(variant="kha", kha_variant="linear")),
+]
+
+# Different lengths: rows keep consuming their prompt while others already generate.
+PROMPTS = [[5, 17, 33, 2, 60], [71, 8, 8, 40, 3, 19, 90, 11], [44, 1, 29]]
+NEW_TOKENS = 6
+
+
+class IdTokenizer:
+    """Token ids are the text: the smallest tokenizer `generate` accepts."""
+
+    vocab_size = VOCAB - 5  # the last ids play the padded-vocabulary rows: never generated
+    eod = 0
+
+    def tokenize(self, text):
+        return [int(t) for t in text.split()]
+
+    def detokenize(self, ids):
+        return " ".join(str(i) for i in ids)
+
+
+def full_forward_logits(model, prompts, generated):
+    """Logits of the full (no cache) forward at the positions that chose each generated token:
+    one `[n_i, V]` tensor per prompt."""
+    rows = [p + g for p, g in zip(prompts, generated)]
+    width = max(len(r) for r in rows)
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows])  # causal: padding is inert
+    positions = torch.arange(width).expand_as(tokens)
+    model.eval()  # as generate does (MoE refuses training-mode TP without SP)
+    with torch.no_grad():
+        logits = model(tokens, positions, None, runtime_gather_output=True)
+    return [
+        logits[i, len(p) - 1 : len(p) - 1 + len(g)]
+        for i, (p, g) in enumerate(zip(prompts, generated))
+    ]

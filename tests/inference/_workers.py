@@ -1,0 +1,79 @@
+"""Per-rank bodies of the multi-process inference tests (module level, for spawned processes)."""
+
+import os
+
+from megatron_mea.inference import generate
+from tests._models import (
+    build_gpt,
+    init_parallel,
+    load_dist,
+    perturb_plugin_params,
+    save_dist,
+    tiny_config,
+)
+from tests.inference._common import (
+    NEW_TOKENS,
+    PROMPTS,
+    IdTokenizer,
+    full_forward_logits,
+)
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def tp_decoding(rank, world_size, variants, tp, workdir):
+    """For each variant: a TP=1 model (greedy, full-forward reference) and the same weights at
+    TP=`tp` through a torch_dist checkpoint; their tokens, logit differences and cache bytes."""
+    results = {}
+    for name, fields in variants:
+        init_parallel(tp=1)
+        single = build_gpt(tiny_config(**fields))
+        perturb_plugin_params(single)
+        ref = generate(single, IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False,
+                       return_logits=True)
+        save_dist(single, os.path.join(workdir, name))
+
+        init_parallel(tp=tp)
+        sharded = build_gpt(tiny_config(**fields, tp=tp))
+        load_dist(sharded, os.path.join(workdir, name))
+        out = generate(sharded, IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False,
+                       return_logits=True)
+        full = full_forward_logits(sharded, PROMPTS, out.tokens)
+        results[name] = dict(
+            same_tokens=out.tokens == ref.tokens,
+            vs_full_forward=_max_diff(out.logits, full),
+            vs_tp1=_max_diff(out.logits, ref.logits),
+            bytes_tp1=ref.stats.kv_cache_bytes,
+            bytes_rank=out.stats.kv_cache_bytes,
+            bytes_total=out.stats.kv_cache_bytes_total,
+        )
+    return results
+
+
+def pretrain(rank, world_size, argv):
+    """A `mea-pretrain` run (saves config.yaml and torch_dist checkpoints under --save)."""
+    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.loop import pretrain as run
+
+    return [record["lm loss"] for record in run(parse_args(argv))]
+
+
+def generate_cli(rank, world_size, argv_list):
+    """Run `tools/generate.py` once per argv (in this process); return what each printed."""
+    import contextlib
+    import importlib.util
+    import io
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "generate.py")
+    spec = importlib.util.spec_from_file_location("generate_cli", path)
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    outputs = []
+    for argv in argv_list:
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            code = cli.main(argv)
+        outputs.append((code, buffer.getvalue()))
+    return outputs

@@ -1,0 +1,74 @@
+"""`tools/generate.py` on a checkpoint written by `mea-pretrain`: greedy decoding is deterministic,
+streamed or not, identical at TP=1 and TP=2, and the report gives tokens/s and KV-cache bytes."""
+
+import re
+
+import pytest
+
+from tests._dist import run_distributed
+from tests.inference import _workers
+
+# np 4, ng 4, nc 2 (virtual heads), hn 16, MoE, 3 steps on mock data.
+TINY_RUN = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--num-query-groups", "4", "--attention-variant", "mea", "--mea-num-kv-components", "2",
+    "--seq-length", "32", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
+    "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3",
+    "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
+    "--no-progress-bar", "--mock-data",
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    save = str(root / "mea")
+    run_distributed(_workers.pretrain, 1, [*TINY_RUN, "--save", save,
+                                           "--data-cache-path", str(root / "cache")])
+    return save
+
+
+def _report(text):
+    tokens_per_s = re.search(r"([\d.]+) tokens/s", text)
+    kv = re.search(r"KV cache: (\d+) bytes \((\d+) per TP rank\)", text)
+    assert tokens_per_s and kv, text
+    assert float(tokens_per_s.group(1)) > 0
+    return int(kv.group(1)), int(kv.group(2))
+
+
+def _text(output):
+    return output.split("checkpoint:")[0]
+
+
+def _strip_timing(text):
+    return re.sub(r"in [\d.]+ s: .*tokens/s\)", "", text)
+
+
+def test_greedy_generation_is_deterministic_at_any_tp_and_reports_speed_and_cache(
+    checkpoint, tmp_path
+):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\n\nabc\n", encoding="utf-8")
+    greedy = ["--load", checkpoint, "--prompt", "Hello", "--max-new-tokens", "12", "--ignore-eod"]
+    batched = ["--load", checkpoint + "/iter_0000003", "--prompt-file", str(prompts),
+               "--max-new-tokens", "5", "--batch-size", "2", "--ignore-eod"]
+    # A world of two: TP=1 runs on two data-parallel replicas, TP=2 shards the model.
+    runs = [[*greedy, "--tp", "1"], [*greedy, "--tp", "1"], [*batched, "--tp", "1"],
+            [*greedy, "--tp", "2"], [*greedy, "--tp", "1", "--no-stream"],
+            ["--load", checkpoint + "/iter_0000009", "--prompt", "x"]]
+    outputs = run_distributed(_workers.generate_cli, 2, runs)
+    assert [rc for rc, _ in outputs[0]] == [0, 0, 0, 0, 0, 1]  # no such checkpoint: exit 1
+    assert all(text == "" for _, text in outputs[1])  # only rank 0 prints
+    (_, first), (_, second), (_, batch), (_, tp2), (_, whole), _ = outputs[0]
+
+    assert _strip_timing(first) == _strip_timing(second)  # the same text, token for token
+    assert first.startswith("[0] Hello") and "attention_variant=mea, 2 cached" in first
+    # K and V x 2 layers x (5 + 12 positions) x 1 row x 2 component heads x hn 16 x fp32.
+    assert _report(first) == (2 * 2 * 17 * 1 * 2 * 16 * 4,) * 2
+    assert "[0] Hello" in batch and "[1] abc" in batch
+    assert _report(batch)[0] == 2 * 2 * (5 + 5) * 2 * 2 * 16 * 4
+
+    assert _text(whole) == _text(first)  # streamed pieces add up to the whole text
+    assert _text(tp2) == _text(first)  # same greedy text at TP=2
+    total, per_rank = _report(tp2)
+    assert total == _report(first)[0] and per_rank * 2 == total

@@ -1,0 +1,19 @@
+"""At TP=2 (two real processes, gloo) incremental decoding equals the full forward and the TP=1
+model, for every variant; the KV cache is sharded by heads, half the components for MEA-half."""
+
+from tests._dist import run_distributed
+from tests.inference import _workers
+from tests.inference._common import VARIANTS
+
+
+def test_tp2_incremental_decoding_equals_full_forward_and_tp1(tmp_path):
+    results = run_distributed(_workers.tp_decoding, 2, VARIANTS, 2, str(tmp_path))
+    assert results[0] == results[1]  # both ranks decode the same tokens, same cache sizes
+    for name, r in results[0].items():
+        assert r["same_tokens"], name
+        assert r["vs_full_forward"] < 1e-5, (name, r)
+        assert r["vs_tp1"] < 1e-5, (name, r)
+        assert r["bytes_rank"] * 2 == r["bytes_tp1"] == r["bytes_total"], (name, r)
+    baseline = results[0]["baseline"]["bytes_total"]
+    assert results[0]["mea-half"]["bytes_total"] * 2 == baseline
+    assert results[0]["mea"]["bytes_total"] == results[0]["kha"]["bytes_total"] == baseline
