@@ -44,7 +44,8 @@ class MEATransformerConfig(TransformerConfig):
     mea_num_kv_components: Optional[int] = None
     """MEA: number of component K/V heads `nc` that `linear_qkv` produces and the KV cache stores;
     HLC rebuilds the `ng` composite heads from them. Default `ng`; `nc < ng` gives virtual heads
-    (KV cache `nc/ng` of GQA's). Must divide `np` and be a multiple of `t`."""
+    (KV cache `nc/ng` of GQA's). Must divide `np` and be a multiple or a divisor of `t` (with
+    `nc < t` every rank computes and caches all components)."""
 
     mea_mix_init: Optional[Literal["identity", "repeat", "normal"]] = None
     """MEA: initial mixing matrices `[nc, ng]`. Default by shape: `identity` when `nc == ng`,
@@ -153,10 +154,16 @@ class MEATransformerConfig(TransformerConfig):
                 f"mea_num_kv_components ({nc}) must divide num_attention_heads ({np_}): "
                 "linear_qkv lays out query heads per component group"
             )
-        if nc % t != 0:
+        if nc % t and t % nc:
             raise ValueError(
-                f"mea_num_kv_components ({nc}) must be divisible by tensor_model_parallel_size "
-                f"({t}): each TP rank holds nc/t component heads"
+                f"mea_num_kv_components ({nc}) must be a multiple or a divisor of "
+                f"tensor_model_parallel_size ({t}): each TP rank holds nc/t component heads, or "
+                "all of them when nc < t"
+            )
+        if nc < t and (2 * nc * self.kv_channels) % t:
+            raise ValueError(
+                f"mea_num_kv_components ({nc}) x 2 x kv_channels ({self.kv_channels}) must be "
+                f"divisible by tensor_model_parallel_size ({t}) to shard linear_qkv's rows"
             )
         if self.mea_mix_init is None:
             self.mea_mix_init = "identity" if nc == ng else "repeat"

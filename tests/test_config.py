@@ -39,8 +39,10 @@ def make(**fields):
             r"mea_num_kv_components \(4\) must divide num_attention_heads \(6\)",
         ),
         (
-            dict(attention_variant="mea", mea_num_kv_components=2, tensor_model_parallel_size=4),
-            r"mea_num_kv_components \(2\) must be divisible by tensor_model_parallel_size \(4\)",
+            dict(attention_variant="mea", num_attention_heads=12, hidden_size=48,
+                 num_query_groups=12, mea_num_kv_components=6, tensor_model_parallel_size=4),
+            r"mea_num_kv_components \(6\) must be a multiple or a divisor of "
+            r"tensor_model_parallel_size \(4\)",
         ),
         (
             dict(attention_variant="mea", mea_num_kv_components=2, mea_mix_init="identity"),

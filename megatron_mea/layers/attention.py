@@ -14,11 +14,12 @@ import torch
 from megatron.core.inference.contexts import BaseInferenceContext
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.utils import deprecate_inference_params
+from megatron.core.utils import deprecate_inference_params, divide, get_pg_rank
 
 from megatron_mea.layers.head_mix import HeadMix
 from megatron_mea.layers.head_norm import HeadRMSNorm
 from megatron_mea.layers.knock import KnockingHeads
+from megatron_mea.parallel import gather_features
 
 
 def split_qkv(mixed_qkv: torch.Tensor, num_groups: int, num_heads: int, head_dim: int):
@@ -91,6 +92,10 @@ class MEASelfAttention(_SplitSelfAttention):
     them (pre-norm, pre-RoPE); `head_mix` rebuilds the `ng` composite heads right after the cache,
     then `k_layernorm`, RoPE and the unchanged core attention run on the composites. With
     `nc < ng` ("virtual heads") the projection and the cache shrink to `nc/ng` of GQA's.
+
+    With fewer components than TP ranks (`nc < t`, e.g. 4 KV heads rebuilt from 2 at TP=4) the
+    projection output is all-gathered, so every rank holds (and caches) all `nc` components,
+    keeps its own `np/t` query heads and expands to its own composite heads.
     """
 
     def __init__(
@@ -110,6 +115,14 @@ class MEASelfAttention(_SplitSelfAttention):
             component_config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection
         )
         self.config = config
+        self.components_duplicated = config.mea_num_kv_components < self.world_size
+        if self.components_duplicated:
+            # Megatron's "fewer groups than ranks" sizes assume one group and np/nc query heads
+            # per rank; here each rank keeps np/t query heads and all nc components.
+            self.num_attention_heads_per_partition = divide(
+                config.num_attention_heads, self.world_size
+            )
+            self.num_query_groups_per_partition = config.mea_num_kv_components
         if config.mea_num_kv_components != config.num_query_groups:
             # The core attention sees ng composite groups (no parameters, so nothing is lost).
             self.core_attention = submodules.core_attention(
@@ -129,6 +142,24 @@ class MEASelfAttention(_SplitSelfAttention):
             # place every path shares. A pre-hook there is the only way to insert the norm
             # without copying Megatron's 300-line forward.
             self.linear_proj.register_forward_pre_hook(self._normalize_heads)
+
+    def _project_and_split(self, hidden_states, key_value_states):
+        if not self.components_duplicated:
+            return super()._project_and_split(hidden_states, key_value_states)
+        if key_value_states is not None:
+            raise ValueError("the MEA / KHA variants are self-attention only")
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        # Every rank needs all nc components; the gather's backward sums the ranks' uses.
+        mixed_qkv = gather_features(mixed_qkv, self.tp_group)
+        query, key, value = split_qkv(
+            mixed_qkv,
+            self.config.mea_num_kv_components,
+            self.config.num_attention_heads,
+            self.hidden_size_per_attention_head,
+        )
+        heads = self.num_attention_heads_per_partition
+        start = get_pg_rank(self.tp_group) * heads
+        return query[:, :, start : start + heads], key, value
 
     def _normalize_heads(self, module, args):
         (core_attn_out,) = args

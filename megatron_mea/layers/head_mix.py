@@ -5,7 +5,7 @@ Shape legend: `s` sequence, `b` batch, `nc` component heads, `ng` composite head
 """
 
 import torch
-from megatron.core.utils import get_pg_size
+from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
 from megatron_mea.ops import head_mix, mix_init
 from megatron_mea.parallel import heads_to_tokens, tokens_to_heads, tp_replicated
@@ -20,7 +20,9 @@ class HeadMix(torch.nn.Module):
 
     Under TP each rank holds only `nc/t` component heads but every composite head needs all of
     them, so the `activations` exchange trades the head shard for a token shard with one
-    all-to-all (K and V together), mixes with the full matrices, and trades back.
+    all-to-all (K and V together), mixes with the full matrices, and trades back. With fewer
+    components than ranks (`nc < t`) every rank holds all of them (duplicated) and expands to its
+    own `ng/t` composite heads with its columns of the matrices; no exchange.
 
     Args:
         config: an `MEATransformerConfig` with attention_variant="mea".
@@ -42,19 +44,26 @@ class HeadMix(torch.nn.Module):
 
         self.key_weight = make()
         self.value_weight = make()
+        world = get_pg_size(tp_group)
+        self.duplicated = self.num_components < world
+        local = divide(self.num_groups, world)
+        self.local_groups = slice(get_pg_rank(tp_group) * local, (get_pg_rank(tp_group) + 1) * local)
 
     def forward(self, key: torch.Tensor, value: torch.Tensor):
         """Mix component heads into composite heads.
 
         Args:
-            key, value: component heads `[s, b, nc_loc, hn]`.
+            key, value: component heads `[s, b, nc_loc, hn]` (all `nc` when duplicated).
 
         Returns:
             key, value: composite heads `[s, b, ng_loc, hn]`.
         """
         key_weight = tp_replicated(self.key_weight, self.tp_group)
         value_weight = tp_replicated(self.value_weight, self.tp_group)
-        if get_pg_size(self.tp_group) == 1:
+        if self.duplicated:
+            key_weight = key_weight[:, self.local_groups]
+            value_weight = value_weight[:, self.local_groups]
+        if self.duplicated or get_pg_size(self.tp_group) == 1:
             # Contiguous [s, b, ng, hn], as the core attention views (b, heads) as one dim.
             key = head_mix(key, key_weight).contiguous()
             return key, head_mix(value, value_weight).contiguous()

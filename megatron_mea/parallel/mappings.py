@@ -11,7 +11,11 @@ Built on Megatron's own `all_to_all` (an all-to-all-v whose backward is the inve
 from typing import List
 
 import torch
-from megatron.core.tensor_parallel.mappings import all_to_all, copy_to_tensor_model_parallel_region
+from megatron.core.tensor_parallel.mappings import (
+    all_gather_last_dim_from_tensor_parallel_region,
+    all_to_all,
+    copy_to_tensor_model_parallel_region,
+)
 
 
 def token_split_sizes(num_tokens: int, world_size: int) -> List[int]:
@@ -45,6 +49,15 @@ def tokens_to_heads(y: torch.Tensor, group, num_tokens: int) -> torch.Tensor:
     send = y.reshape(shard_tokens, world, features).transpose(0, 1)
     send = send.reshape(world * shard_tokens, features)
     return all_to_all(group, send, sizes, [shard_tokens] * world)
+
+
+def gather_features(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather the last dim in rank order: `[..., f]` -> `[..., t*f]`.
+
+    Backward reduce-scatters, so when every rank uses the whole gathered tensor (for different
+    outputs) each shard's gradient is the sum of all the ranks' uses.
+    """
+    return all_gather_last_dim_from_tensor_parallel_region(x, group=group)
 
 
 def tp_replicated(param: torch.Tensor, group) -> torch.Tensor:

@@ -9,6 +9,9 @@ from tests.distributed import _workers
 VARIANTS = [
     ("mea", dict(attention_variant="mea", mea_mix_init="normal")),
     ("mea-virtual", dict(attention_variant="mea", mea_num_kv_components=2, mea_mix_init="normal")),
+    # nc = 1 < TP: the component projection is duplicated on every rank (SPEC section 3).
+    ("mea-duplicated", dict(attention_variant="mea", mea_num_kv_components=1,
+                            mea_mix_init="normal")),
     ("kha-linear", dict(attention_variant="kha", kha_variant="linear")),
     ("kha-mlp", dict(attention_variant="kha", kha_variant="mlp")),
 ]
@@ -32,14 +35,14 @@ def test_tp2_sp_equals_tp1_in_loss_and_every_gradient(tmp_path):
 
 
 def test_tp2_sp_ep2_equals_tp1_in_loss_and_every_gradient(tmp_path):
-    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[3]]
+    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[2], VARIANTS[4]]
     results = run_distributed(_workers.equivalence, 4, variants, 2, 2, True, str(tmp_path))
     _assert_equivalent(results)
 
 
 @pytest.mark.parametrize("sp,moe", [(True, True), (False, False)], ids=["sp-moe", "no-sp-dense"])
 def test_replicated_parameters_stay_bit_identical_across_tp_ranks(sp, moe):
-    variants = [VARIANTS[0], VARIANTS[2], VARIANTS[3]]
+    variants = [VARIANTS[0], VARIANTS[2], VARIANTS[3], VARIANTS[4]]
     results = run_distributed(_workers.replicas_after_steps, 2, variants, sp, moe, 3)
     for name, r in results[0].items():
         assert r["identical"], name
@@ -47,7 +50,7 @@ def test_replicated_parameters_stay_bit_identical_across_tp_ranks(sp, moe):
         assert all(m > 0 for m in r["moved"].values()), f"{name}: a parameter never trained"
 
 
-@pytest.mark.parametrize("variant", ["mea-virtual", "kha-linear"])
+@pytest.mark.parametrize("variant", ["mea-virtual", "mea-duplicated", "kha-linear"])
 def test_checkpoint_tp2_ep2_to_tp1_to_tp2_round_trip_is_exact(tmp_path, variant):
     fields = dict(VARIANTS)[variant]
     results = run_distributed(_workers.checkpoint_round_trip, 4, fields, str(tmp_path))

@@ -5,14 +5,20 @@ from tests._dist import run_distributed
 from tests.inference import _workers
 from tests.inference._common import VARIANTS
 
+# nc = 1 < TP = 2: every rank computes and caches the one component head (duplicated).
+DUPLICATED = ("mea-dup", dict(variant="mea", mea_num_kv_components=1, mea_mix_init="normal"))
+
 
 def test_tp2_incremental_decoding_equals_full_forward_and_tp1(tmp_path):
-    results = run_distributed(_workers.tp_decoding, 2, VARIANTS, 2, str(tmp_path))
+    results = run_distributed(_workers.tp_decoding, 2, [*VARIANTS, DUPLICATED], 2, str(tmp_path))
     assert results[0] == results[1]  # both ranks decode the same tokens, same cache sizes
     for name, r in results[0].items():
         assert r["same_tokens"], name
         assert r["vs_full_forward"] < 1e-5, (name, r)
         assert r["vs_tp1"] < 1e-5, (name, r)
+        if name == DUPLICATED[0]:
+            assert r["bytes_rank"] == r["bytes_tp1"] and r["bytes_total"] == 2 * r["bytes_tp1"]
+            continue
         assert r["bytes_rank"] * 2 == r["bytes_tp1"] == r["bytes_total"], (name, r)
     baseline = results[0]["baseline"]["bytes_total"]
     assert results[0]["mea-half"]["bytes_total"] * 2 == baseline
