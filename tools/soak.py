@@ -21,6 +21,8 @@ import sys
 import tempfile
 import time
 
+import psutil
+
 MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--num-query-groups", "2", "--seq-length", "64", "--num-experts", "4",
@@ -36,6 +38,20 @@ def launch(world_size, argv, log):
                "--master-port", str(random.randint(20000, 40000)), "-m", "megatron_mea.pretrain",
                *argv]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def kill_tree(process):
+    """SIGKILL torchrun and every worker: torchrun puts each worker in a session of its own, so
+    killing its process group would leave the workers running."""
+    workers = psutil.Process(process.pid).children(recursive=True)
+    os.killpg(process.pid, signal.SIGKILL)
+    for worker in workers:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
+    process.wait()
+    psutil.wait_procs(workers, timeout=30)
 
 
 def losses(save_dir):
@@ -64,8 +80,7 @@ def episode(workdir, args, rng, log):
                 return kills, [f"run exited with {code}"]
             break
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            kill_tree(process)
             kills += 1
     expected, got = losses(reference_dir), losses(soak_dir)
     problems = [f"iteration {i} lost" for i in range(1, args.iters + 1) if i not in got]
