@@ -1,0 +1,284 @@
+"""Hugging Face `config.json` <-> the Megatron model description (`PretrainArgs` + overrides).
+
+Import refuses what the Megatron model cannot compute the same way (another activation, RoPE
+scaling, sliding windows, biases Megatron does not have), naming the config field. Export
+rebuilds the family's config: from the imported `config.json` when there is one (checked
+against the Megatron model), otherwise from the model's sizes.
+"""
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_mea.checkpoint.hf_families import FAMILIES, Family, family
+from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
+from megatron_mea.training.arguments import PretrainArgs
+
+NATIVE_PREFIX = "megatron_mea_"
+_ARG_FIELDS = {f.name for f in dataclasses.fields(PretrainArgs)}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+VARIANT_FIELDS = ("attention_variant", "mea_num_kv_components", "mea_head_norm", "kha_variant",
+                  "kha_targets")
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.bfloat16` -> "bfloat16"."""
+    return str(dtype).replace("torch.", "")
+
+
+def split_model_type(model_type: str) -> Tuple[Family, bool]:
+    """(family, whether the config is one of our native variant configs)."""
+    native = model_type.startswith(NATIVE_PREFIX)
+    return family(model_type[len(NATIVE_PREFIX):] if native else model_type), native
+
+
+def _rope_theta(config) -> float:
+    parameters = getattr(config, "rope_parameters", None)
+    if parameters:
+        rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+        if rope_type != "default":
+            raise ConversionError(
+                f"rope_parameters.rope_type ({rope_type!r}) is not supported: Megatron's model "
+                "here applies plain RoPE (rope scaling is not wired through mea-pretrain)"
+            )
+        return float(parameters["rope_theta"])
+    if getattr(config, "rope_scaling", None):
+        raise ConversionError(f"rope_scaling ({config.rope_scaling!r}) is not supported")
+    return float(getattr(config, "rope_theta", 10000.0))
+
+
+def _refuse(config, name: str, allowed, why: str) -> None:
+    value = getattr(config, name, allowed)
+    if value != allowed:
+        raise ConversionError(f"{name} ({value!r}) is not supported: {why}")
+
+
+def moe_layer_pattern(fam: Family, config) -> List[bool]:
+    """Per layer, whether it is an MoE layer (HF's rule for the family)."""
+    if fam.moe is None:
+        return [False] * config.num_hidden_layers
+    if fam.name == "qwen3_moe":
+        step = getattr(config, "decoder_sparse_step", 1) or 1
+        dense = set(getattr(config, "mlp_only_layers", None) or [])
+        return [i not in dense and (i + 1) % step == 0 for i in range(config.num_hidden_layers)]
+    return [True] * config.num_hidden_layers
+
+
+def _num_experts(config) -> int:
+    return getattr(config, "num_experts", None) or config.num_local_experts
+
+
+def check_supported(fam: Family, config) -> None:
+    """Raise ConversionError for HF settings the Megatron model would compute differently."""
+    _refuse(config, "hidden_act", "silu", "Megatron's model here is SwiGLU with SiLU")
+    _refuse(config, "mlp_bias", False, "Megatron's MLPs here have no biases")
+    if fam.name in ("llama", "qwen3", "qwen3_moe"):
+        _refuse(config, "attention_bias", False, "only Qwen2's q/k/v biases are supported")
+    for name in ("use_sliding_window", "sliding_window"):
+        if getattr(config, name, None) and (name == "use_sliding_window" or fam.name == "mixtral"):
+            raise ConversionError(
+                f"{name} ({getattr(config, name)!r}) is not supported: sliding-window attention "
+                "is not wired through mea-pretrain"
+            )
+    _rope_theta(config)
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ConversionError(
+            f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})"
+        )
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def description_from_hf(
+    config,
+    *,
+    attention_variant: str = "standard",
+    mea_head_norm: bool = False,
+    kha_variant: Optional[str] = None,
+    kha_targets: Optional[List[str]] = None,
+    dtype: Optional[torch.dtype] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
+    tokenizer_dir: Optional[str] = None,
+    parallel: Optional[Dict[str, int]] = None,
+) -> ModelDescription:
+    """The Megatron model of an HF config (a transformers config object).
+
+    Args:
+        config: the HF config (a native `megatron_mea_*` config keeps its variant fields).
+        attention_variant, mea_head_norm, kha_variant, kha_targets: the variant to upcycle to
+            (ignored for native configs, which say it themselves).
+        dtype: parameter dtype. Default: bfloat16 if the config says so, else float32.
+        make_vocab_size_divisible_by: Megatron pads the vocabulary to a multiple of this. Default:
+            the largest power of two up to 128 that divides the vocabulary (no padding rows).
+        tokenizer_dir: recorded as the run's HuggingFaceTokenizer model.
+        parallel: PretrainArgs parallel sizes to record (e.g. tensor_model_parallel_size).
+    """
+    fam, native = split_model_type(config.model_type)
+    check_supported(fam, config)
+    if native:
+        attention_variant = getattr(config, "attention_variant", "mea")
+        mea_head_norm = getattr(config, "mea_head_norm", True)
+        kha_variant = getattr(config, "kha_variant", None)
+        kha_targets = getattr(config, "kha_targets", None)
+    vocab = config.vocab_size
+    if make_vocab_size_divisible_by is None:
+        make_vocab_size_divisible_by = math.gcd(vocab, 128)
+    if dtype is None:
+        saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        dtype = torch.bfloat16 if str(saved).endswith("bfloat16") else torch.float32
+    theta = _rope_theta(config)
+    moe_layers = moe_layer_pattern(fam, config)
+    fields = dict(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_key_value_heads,
+        kv_channels=_head_dim(config),
+        max_position_embeddings=config.max_position_embeddings,
+        seq_length=min(config.max_position_embeddings, 4096),
+        normalization="RMSNorm",
+        qk_layernorm=fam.qk_layernorm,
+        swiglu=True,
+        untie_embeddings_and_output_weights=not getattr(config, "tie_word_embeddings", False),
+        position_embedding_type="rope",
+        rotary_base=int(theta) if theta.is_integer() else theta,
+        init_method_std=getattr(config, "initializer_range", 0.02),
+        num_experts=None,
+        attention_variant=attention_variant,
+        mea_num_kv_components=getattr(config, "mea_num_kv_components", None) if native else None,
+        mea_head_norm=bool(mea_head_norm),
+        kha_variant=kha_variant,
+        kha_targets=list(kha_targets) if kha_targets else None,
+        bf16=dtype == torch.bfloat16,
+        vocab_size=vocab,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        layernorm_epsilon=config.rms_norm_eps,
+        add_qkv_bias=fam.add_qkv_bias,
+        **(parallel or {}),
+    )
+    if tokenizer_dir:
+        fields.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
+    if fam.moe is not None:
+        fields.update(
+            num_experts=_num_experts(config),
+            moe_router_topk=config.num_experts_per_tok,
+            moe_ffn_hidden_size=getattr(config, "moe_intermediate_size", config.intermediate_size),
+            moe_layer_freq=1 if all(moe_layers) else [int(m) for m in moe_layers],
+            moe_aux_loss_coeff=getattr(config, "router_aux_loss_coef", 1e-2),
+            # Mixtral and Qwen3-MoE with norm_topk_prob renormalise the top-k probabilities, which
+            # is Megatron's top-k-then-softmax; otherwise softmax over all experts, then top-k.
+            moe_router_pre_softmax=fam.name == "qwen3_moe" and not config.norm_topk_prob,
+        )
+    args, overrides = {}, {}
+    for name, value in fields.items():
+        if name in _ARG_FIELDS and not (name == "moe_layer_freq" and isinstance(value, list)):
+            args[name] = value
+        else:
+            overrides[name] = value
+    if isinstance(fields.get("moe_layer_freq"), list):
+        args["moe_layer_freq"] = 1
+    if not isinstance(args.get("rotary_base", 0), int):
+        overrides["rotary_base"] = args.pop("rotary_base")
+    hf_config = config.to_dict()
+    for name in VARIANT_FIELDS:
+        hf_config.pop(name, None)
+    if native:
+        hf_config["model_type"] = fam.name
+        hf_config["architectures"] = [fam.architecture]
+    description = ModelDescription(PretrainArgs(**args), overrides, hf_config)
+    description.transformer_config()  # validates the variant and the parallel sizes
+    return description
+
+
+def _family_for(description: ModelDescription) -> Family:
+    """The family of a model trained from scratch (no HF config to follow)."""
+    args = description.args
+    if description.transformer_config(meta=True).add_qkv_bias:
+        return FAMILIES["qwen2"]
+    if args.num_experts:
+        return FAMILIES["qwen3_moe" if args.qk_layernorm else "mixtral"]
+    return FAMILIES["qwen3" if args.qk_layernorm else "llama"]
+
+
+def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
+    """The family and the stock HF config fields of the model of `description`.
+
+    Starts from the imported HF config when there is one; every size the Megatron model fixes is
+    (re)written from it, and a family that cannot express the model is refused.
+    """
+    config = description.transformer_config(meta=True)
+    args = description.args
+    template = dict(description.hf_config or {})
+    fam = family(template["model_type"]) if template else _family_for(description)
+    for name, value, wanted in (
+        ("swiglu", args.swiglu, True),
+        ("normalization", config.normalization, "RMSNorm"),
+        ("position_embedding_type", args.position_embedding_type, "rope"),
+        ("add_bias_linear", config.add_bias_linear, False),
+    ):
+        if value != wanted:
+            raise ConversionError(
+                f"{name} ({value!r}) cannot be exported: the {fam.name} family needs {wanted!r}"
+            )
+    if fam.qk_layernorm != bool(config.qk_layernorm):
+        raise ConversionError(
+            f"qk_layernorm ({config.qk_layernorm}) does not match the {fam.name} family"
+        )
+    if fam.add_qkv_bias != bool(config.add_qkv_bias):
+        raise ConversionError(
+            f"add_qkv_bias ({config.add_qkv_bias}) does not match the {fam.name} family"
+        )
+    if (fam.moe is not None) != bool(config.num_moe_experts):
+        raise ConversionError(
+            f"num_moe_experts ({config.num_moe_experts}) does not match the {fam.name} family"
+        )
+    theta = float(description.overrides.get("rotary_base", args.rotary_base))
+    template.update(
+        model_type=fam.name,
+        architectures=[fam.architecture],
+        vocab_size=args.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups,
+        head_dim=config.kv_channels,
+        rms_norm_eps=config.layernorm_epsilon,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        tie_word_embeddings=not args.untie_embeddings_and_output_weights,
+        hidden_act="silu",
+    )
+    template.pop("rope_theta", None)
+    template.pop("rope_scaling", None)
+    template["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    if fam.moe is not None:
+        pattern = config.moe_layer_freq
+        if isinstance(pattern, int):
+            pattern = [int(i % pattern == 0) for i in range(config.num_layers)]
+        template.update(num_experts_per_tok=config.moe_router_topk)
+        if fam.name == "qwen3_moe":
+            template.update(
+                num_experts=config.num_moe_experts,
+                moe_intermediate_size=config.moe_ffn_hidden_size,
+                decoder_sparse_step=1,
+                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe],
+                norm_topk_prob=not config.moe_router_pre_softmax,
+            )
+        else:
+            if not all(pattern) or config.moe_router_pre_softmax:
+                raise ConversionError(
+                    "mixtral has an MoE block in every layer and renormalised top-k routing: "
+                    f"moe_layer_freq ({config.moe_layer_freq}) / moe_router_pre_softmax "
+                    f"({config.moe_router_pre_softmax}) cannot be exported to it"
+                )
+            if config.moe_ffn_hidden_size != config.ffn_hidden_size:
+                template["intermediate_size"] = config.moe_ffn_hidden_size
+            template.update(num_local_experts=config.num_moe_experts)
+    template["dtype"] = "bfloat16" if args.bf16 else "float32"
+    return fam, template

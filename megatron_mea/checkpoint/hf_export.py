@@ -1,0 +1,176 @@
+"""Export a Megatron checkpoint (any TP / PP / EP it was saved at) to a Hugging Face directory.
+
+Formats:
+- `plain`: the stock family architecture (`LlamaForCausalLM`, `Qwen3MoeForCausalLM`...), which
+  stock `transformers` loads. The baseline is exported exactly; MEA without the head norm and
+  KHA-Linear are folded into the q/k/v weights (`variants.fold_layer`).
+- `native`: our modeling code (`megatron_mea.hf`, model type `megatron_mea_<family>`) keeps the
+  plugin's parameters; needed for MEA with the head norm and for KHA-MLP. The export carries the
+  modeling files and an `auto_map`, so `trust_remote_code=True` also works.
+- `auto` (default): `plain` when the variant folds, else `native`.
+
+Tensors are read one layer at a time and written to safetensors shards as they fill.
+"""
+
+import logging
+import os
+import shutil
+import time
+from typing import Optional
+
+import torch
+
+from megatron_mea.checkpoint.dist_io import read_checkpoint
+from megatron_mea.checkpoint.hf_config import (
+    NATIVE_PREFIX,
+    VARIANT_FIELDS,
+    dtype_name,
+    hf_config_dict,
+    split_model_type,
+)
+from megatron_mea.checkpoint.hf_families import VARIANT_PARAMS, model_rules
+from megatron_mea.checkpoint.hf_import import qkv_layout
+from megatron_mea.checkpoint.hf_io import HFWriter, copy_tokenizer, load_hf_config
+from megatron_mea.checkpoint.megatron_io import (
+    ConversionError,
+    ModelDescription,
+    converter_process,
+    expected_shapes,
+    layer_of,
+)
+from megatron_mea.checkpoint.variants import fold_layer, foldable
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("auto", "plain", "native")
+_NATIVE_FILES = ("configuration_megatron_mea.py", "modeling_megatron_mea.py")
+
+
+def choose_format(config, requested: str = "auto") -> str:
+    """`plain` or `native` for a model with `config` (a `MEATransformerConfig`)."""
+    if requested not in FORMATS:
+        raise ValueError(f"format ({requested!r}) must be one of {FORMATS}")
+    if config.attention_variant == "standard":
+        return "plain"
+    if requested == "auto":
+        return "plain" if foldable(config) else "native"
+    if requested == "plain" and not foldable(config):
+        raise ConversionError(
+            f"attention_variant={config.attention_variant!r} with mea_head_norm="
+            f"{config.mea_head_norm} / kha_variant={config.kha_variant!r} does not fold into a "
+            "stock architecture; use format 'native' (megatron_mea.hf modeling code)"
+        )
+    return requested
+
+
+def _reference_config(path: str) -> dict:
+    config = load_hf_config(path).to_dict()
+    fam, _ = split_model_type(config["model_type"])
+    for name in VARIANT_FIELDS + ("auto_map",):
+        config.pop(name, None)
+    config.update(model_type=fam.name, architectures=[fam.architecture])
+    return config
+
+
+def _write_config(save_dir: str, fam, fields: dict, config, fmt: str) -> None:
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in fields.items() if k != "model_type"}
+    if fmt == "plain":
+        AutoConfig.for_model(fam.name, **fields).save_pretrained(save_dir)
+        return
+    import megatron_mea.hf  # noqa: F401  (registers the native model types)
+    from megatron_mea.hf import CONFIGS, MODELS
+
+    model_type = NATIVE_PREFIX + fam.name
+    variant = dict(attention_variant=config.attention_variant)
+    if config.attention_variant == "mea":
+        variant.update(mea_num_kv_components=config.mea_num_kv_components,
+                       mea_head_norm=bool(config.mea_head_norm))
+    else:
+        variant.update(kha_variant=config.kha_variant, kha_targets=list(config.kha_targets))
+    fields = dict(fields, architectures=[MODELS[model_type].__name__], **variant)
+    native = CONFIGS[model_type](**fields)
+    native.auto_map = {
+        "AutoConfig": f"configuration_megatron_mea.{CONFIGS[model_type].__name__}",
+        "AutoModelForCausalLM": f"modeling_megatron_mea.{MODELS[model_type].__name__}",
+    }
+    native.save_pretrained(save_dir)
+    package = os.path.dirname(megatron_mea.hf.__file__)
+    for name in _NATIVE_FILES:
+        shutil.copy(os.path.join(package, name), os.path.join(save_dir, name))
+
+
+def export_hf_checkpoint(
+    load_dir: str,
+    save_dir: str,
+    *,
+    format: str = "auto",  # noqa: A002 -- the CLI flag's name
+    reference: Optional[str] = None,
+    dtype: Optional[torch.dtype] = None,
+    iteration: Optional[int] = None,
+    max_shard_bytes: int = 5 * 1024**3,
+) -> str:
+    """Write the model of the Megatron checkpoint under `load_dir` as an HF directory.
+
+    Args:
+        load_dir: checkpoint root (`latest_checkpointed_iteration.txt`, `config.yaml`).
+        save_dir: output HF directory (config.json, safetensors, tokenizer files if known).
+        format: `auto`, `plain` or `native` (module docstring).
+        reference: an HF directory whose config.json is the template (e.g. the model a run was
+            upcycled from, when the run's directory has no `conversion.json`). Default: the
+            checkpoint's `conversion.json`, else a config built from the model's sizes.
+        dtype: output dtype. Default: the checkpoint's.
+        iteration: checkpoint to export. Default: the latest.
+        max_shard_bytes: safetensors shard size limit.
+
+    Returns:
+        The format written (`plain` or `native`).
+    """
+    description = ModelDescription.load(load_dir)
+    if reference:
+        description.hf_config = _reference_config(reference)
+    config = description.transformer_config(meta=True)
+    fmt = choose_format(config, format)
+    fam, fields = hf_config_dict(description)
+    started = time.perf_counter()
+    with converter_process():
+        shapes = expected_shapes(description)
+        native = fmt == "native"
+        variant_params = {}
+        if native:
+            for name in shapes:
+                for param in VARIANT_PARAMS:
+                    if name.endswith(".self_attention." + param):
+                        variant_params.setdefault(layer_of(name), []).append(param)
+        moe_layers = [f"decoder.layers.{i}.mlp.router.weight" in shapes
+                      for i in range(config.num_layers)]
+        rules = model_rules(fam, config.num_layers, moe_layers, config.num_moe_experts or 0,
+                            tied=not description.args.untie_embeddings_and_output_weights,
+                            variant_params=variant_params)
+        layout = qkv_layout(description, None if native else config.num_query_groups)
+        _, groups = read_checkpoint(load_dir, description, iteration)
+        writer = HFWriter(save_dir, max_shard_bytes)
+        saved_dtype = None
+        for layer, tensors in groups:
+            saved_dtype = saved_dtype or next(iter(tensors.values())).dtype
+            if not native and layer >= 0:
+                tensors = fold_layer(tensors, layer, config)
+            hf = {}
+            for rule in rules[layer]:
+                outputs = rule.transform.to_hf(layout, tensors.pop(rule.megatron))
+                hf.update(zip(rule.hf, outputs, strict=True))
+            if tensors:
+                raise ConversionError(
+                    f"no {fmt} export rule for {sorted(tensors)[0]!r} of the {fam.name} family"
+                )
+            writer.add({k: v.to(dtype) if dtype else v for k, v in hf.items()})
+            logger.info("exported layer %d (%.1f s)", layer, time.perf_counter() - started)
+        writer.close()
+    fields["dtype"] = dtype_name(dtype or saved_dtype)
+    _write_config(save_dir, fam, fields, config, fmt)
+    args = description.args
+    source = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
+    copy_tokenizer(source or description.source, save_dir)
+    logger.info("wrote %s (%s format, %.1f s)", save_dir, fmt, time.perf_counter() - started)
+    return fmt

@@ -1,0 +1,173 @@
+"""Import a Hugging Face checkpoint into a `torch_dist` Megatron checkpoint of `mea-pretrain`.
+
+Upcycling: the model can be imported as the baseline, as MEA (identity mixing; head norm
+optional) or as KHA (identity transforms), for continued pretraining. The output loads at any
+TP / PP / EP (`mea-pretrain --config <out>/config.yaml --load <out> ...`).
+
+Streaming: tensors are read from the safetensors files one at a time and converted one layer at
+a time (see `dist_io` for what the writer keeps in memory).
+"""
+
+import logging
+import os
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron_mea.checkpoint.dist_io import write_checkpoint
+from megatron_mea.checkpoint.hf_config import description_from_hf, split_model_type
+from megatron_mea.checkpoint.hf_families import (
+    VARIANT_PARAMS,
+    Layout,
+    Rule,
+    family,
+    model_rules,
+)
+from megatron_mea.checkpoint.hf_io import HFReader, has_tokenizer, load_hf_config
+from megatron_mea.checkpoint.megatron_io import (
+    ConversionError,
+    ModelDescription,
+    converter_process,
+    expected_shapes,
+    layer_of,
+)
+from megatron_mea.checkpoint.variants import upcycle_init
+
+logger = logging.getLogger(__name__)
+
+
+def qkv_layout(description: ModelDescription, num_kv_heads: Optional[int] = None) -> Layout:
+    """Sizes of the `linear_qkv` layout of the model (K/V heads: MEA's nc, else ng)."""
+    config = description.transformer_config(meta=True)
+    if num_kv_heads is None:
+        num_kv_heads = (
+            config.mea_num_kv_components
+            if config.attention_variant == "mea"
+            else config.num_query_groups
+        )
+    return Layout(
+        num_heads=config.num_attention_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=config.kv_channels,
+        vocab_size=description.args.vocab_size,
+        padded_vocab_size=description.args.padded_vocab_size,
+    )
+
+
+def plan_rules(description: ModelDescription, shapes: Dict, with_variant_params: bool):
+    """Rules of every tensor of the model, by layer (-1: embedding, final norm, output)."""
+    config = description.transformer_config(meta=True)
+    fam = family((description.hf_config or {}).get("model_type", ""))
+    num_layers = config.num_layers
+    moe_layers = [f"decoder.layers.{i}.mlp.router.weight" in shapes for i in range(num_layers)]
+    variant = {}
+    if with_variant_params:
+        for name in shapes:
+            for param in VARIANT_PARAMS:
+                if name.endswith(".self_attention." + param):
+                    variant.setdefault(layer_of(name), []).append(param)
+    return model_rules(
+        fam,
+        num_layers,
+        moe_layers,
+        config.num_moe_experts or 0,
+        tied=not description.args.untie_embeddings_and_output_weights,
+        variant_params=variant,
+    )
+
+
+def expected_hf_shapes(rule: Rule, layout: Layout, megatron_shape) -> List:
+    """Shapes of a rule's HF tensors implied by the Megatron tensor's shape."""
+    meta = torch.empty(megatron_shape, device="meta")
+    return [tuple(t.shape) for t in rule.transform.to_hf(layout, meta)]
+
+
+def import_hf_checkpoint(
+    hf_dir: str,
+    save_dir: str,
+    *,
+    attention_variant: str = "standard",
+    mea_head_norm: bool = False,
+    kha_variant: Optional[str] = None,
+    kha_targets: Optional[List[str]] = None,
+    dtype: Optional[torch.dtype] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
+    parallel: Optional[Dict[str, int]] = None,
+) -> ModelDescription:
+    """Convert the HF checkpoint in `hf_dir` into a Megatron checkpoint under `save_dir`.
+
+    Args:
+        hf_dir: HF directory (config.json + safetensors): Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
+            or one of our native MEA / KHA exports.
+        save_dir: output root (`iter_0000000/`, tracker, `config.yaml`, `conversion.json`).
+        attention_variant: "standard", "mea" (identity mixing, nc = ng) or "kha" (identity).
+        mea_head_norm: MEA: add the head norm (scale 1; it changes the function, unlike the
+            other upcycled parameters). Default: False.
+        kha_variant, kha_targets: KHA settings (defaults as in `MEATransformerConfig`).
+        dtype: parameter dtype of the checkpoint. Default: the HF config's (bf16 or fp32).
+        make_vocab_size_divisible_by: see `description_from_hf`.
+        parallel: parallel sizes to record in `config.yaml` (validated against the model), e.g.
+            `{"tensor_model_parallel_size": 2}`; the checkpoint itself loads at any layout.
+
+    Returns:
+        The description of the written model.
+
+    Raises:
+        ConversionError: unsupported config, missing / unexpected tensors, wrong shapes.
+    """
+    config = load_hf_config(hf_dir)
+    _, native = split_model_type(config.model_type)
+    description = description_from_hf(
+        config,
+        attention_variant=attention_variant,
+        mea_head_norm=mea_head_norm,
+        kha_variant=kha_variant,
+        kha_targets=kha_targets,
+        dtype=dtype,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        tokenizer_dir=os.path.abspath(hf_dir) if has_tokenizer(hf_dir) else None,
+        parallel=parallel,
+    )
+    description.source = os.path.abspath(hf_dir)
+    dtype = torch.bfloat16 if description.args.bf16 else torch.float32
+    if dtype == torch.float32 and str(getattr(config, "dtype", "")).endswith("16"):
+        logger.warning("storing the %s checkpoint in float32", getattr(config, "dtype", ""))
+    reader = HFReader(hf_dir)
+    with converter_process():
+        shapes = expected_shapes(description)
+        layout = qkv_layout(description)
+        groups = plan_rules(description, shapes, with_variant_params=native)
+
+        def produce():
+            for layer in sorted(groups):
+                out = {}
+                for rule in groups[layer]:
+                    want = expected_hf_shapes(rule, layout, shapes[rule.megatron])
+                    tensors = [reader.get(n, shape) for n, shape in zip(rule.hf, want, strict=True)]
+                    out[rule.megatron] = rule.transform.to_megatron(layout, *tensors).to(dtype)
+                for name in shapes:
+                    if layer_of(name) == layer and name not in out:
+                        out[name] = upcycle_init(name, shapes[name], dtype)
+                yield out
+            _check_unused(reader, description)
+
+        write_checkpoint(save_dir, description, produce())
+    return description
+
+
+def _check_unused(reader: HFReader, description: ModelDescription) -> None:
+    unused = reader.unused()
+    tied = not description.args.untie_embeddings_and_output_weights
+    if tied and "lm_head.weight" in unused:
+        # Some tied checkpoints still store the output layer: accept it only as a true copy.
+        if not torch.equal(reader.get("lm_head.weight"), reader.get("model.embed_tokens.weight")):
+            raise ConversionError(
+                f"{reader.directory}: tie_word_embeddings is set but lm_head.weight differs from "
+                "model.embed_tokens.weight"
+            )
+        unused.remove("lm_head.weight")
+    if unused:
+        raise ConversionError(
+            f"{reader.directory}: {len(unused)} tensors are not part of the model the config "
+            f"describes, e.g. {unused[0]!r} {list(reader.shape(unused[0]))}"
+        )

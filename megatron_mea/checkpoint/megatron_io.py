@@ -1,0 +1,266 @@
+"""Model-only `torch_dist` checkpoints in the layout of `mea-pretrain`: description, models.
+
+Layout (what `megatron_mea.training.checkpointing.load_checkpoint` resumes from)::
+
+    <root>/latest_checkpointed_iteration.txt   # "0"
+    <root>/iter_0000000/                      # torch_dist: the model's tensors, nothing else
+    <root>/config.yaml                        # PretrainArgs of the model (mea-pretrain --config)
+    <root>/conversion.json                    # what config.yaml cannot say (see ModelDescription)
+
+The converters name tensors as in `GPTModel.state_dict()` at TP=1 (local spec) and take keys,
+offsets and shapes from that model built on the meta device (`meta_model`); Megatron's
+dist-checkpointing reshards at load time, so one checkpoint loads at any TP / PP / EP. The
+common part records `parallel_layout={"model_only": True}`, which matches no run's layout, so the
+driver loads the model and starts a fresh optimizer. `dist_io` writes and reads the tensors.
+"""
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+from typing import Dict, Iterator, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.mapping import (
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from megatron.core.models.gpt import GPTModel
+from torch.overrides import TorchFunctionMode
+
+from megatron_mea.specs import get_gpt_decoder_block_spec
+from megatron_mea.training.arguments import PretrainArgs, load_yaml, save_config
+from megatron_mea.training.checkpointing import (
+    TRACKER,
+    checkpoint_dir,
+    latest_iteration,
+    verify_checkpoint,
+)
+from megatron_mea.training.model import transformer_config
+
+logger = logging.getLogger(__name__)
+
+CONVERSION_FILE = "conversion.json"
+MODEL_ONLY_LAYOUT = {"model_only": True}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class ConversionError(ValueError):
+    """A checkpoint or model that cannot be converted as asked; the message names the tensor."""
+
+
+@dataclasses.dataclass
+class ModelDescription:
+    """Everything needed to rebuild the model of a checkpoint.
+
+    Attributes:
+        args: the run arguments `mea-pretrain` reads (`config.yaml`).
+        overrides: `MEATransformerConfig` fields that `PretrainArgs` cannot express (for example
+            `layernorm_epsilon`, `add_qkv_bias`, `moe_router_pre_softmax`, a per-layer
+            `moe_layer_freq`); applied on top of `transformer_config(args)`.
+        hf_config: the Hugging Face `config.json` the model came from (a template for export).
+        source: the Hugging Face directory it was imported from (tokenizer and generation
+            files are copied from there on export).
+    """
+
+    args: PretrainArgs
+    overrides: Dict = dataclasses.field(default_factory=dict)
+    hf_config: Optional[Dict] = None
+    source: Optional[str] = None
+
+    def transformer_config(self, meta: bool = False):
+        """The model's `MEATransformerConfig` (TP=PP=EP=1 when `meta`, for the converters)."""
+        args = self.args
+        if meta:
+            args = dataclasses.replace(
+                args,
+                tensor_model_parallel_size=1,
+                pipeline_model_parallel_size=1,
+                expert_model_parallel_size=1,
+                expert_tensor_parallel_size=None,
+                context_parallel_size=1,
+                sequence_parallel=False,
+                transformer_impl="local",
+                moe_grouped_gemm=False,
+                fp8_format=None,
+            )
+        config = transformer_config(args)
+        fields = dict(self.overrides)
+        if meta:
+            fields.update(use_cpu_initialization=True, perform_initialization=False)
+        return dataclasses.replace(config, **fields) if fields else config
+
+    def save(self, root: str) -> None:
+        """Write `config.yaml` and `conversion.json` under `root`."""
+        save_config(self.args, root)
+        payload = {"overrides": self.overrides, "hf_config": self.hf_config, "source": self.source}
+        tmp = os.path.join(root, CONVERSION_FILE + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(payload, handle, indent=2, sort_keys=True)
+        os.replace(tmp, os.path.join(root, CONVERSION_FILE))
+
+    @classmethod
+    def load(cls, root: str) -> "ModelDescription":
+        """Read the description of the checkpoint directory `root`."""
+        path = os.path.join(root, "config.yaml")
+        if not os.path.exists(path):
+            raise ConversionError(
+                f"{path}: missing (not a checkpoint directory of mea-pretrain or of this tool)"
+            )
+        args = PretrainArgs(**load_yaml(path))
+        payload = {}
+        extra = os.path.join(root, CONVERSION_FILE)
+        if os.path.exists(extra):
+            with open(extra, encoding="utf-8") as handle:
+                payload = json.load(handle)
+        return cls(args, payload.get("overrides") or {}, payload.get("hf_config"),
+                   payload.get("source"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def converter_process() -> Iterator[None]:
+    """Run the block in a gloo world of one process with Megatron's parallel state at size 1.
+
+    Reuses an initialised world of one (as the tests' `single_rank` fixture sets up).
+    """
+    from megatron_mea.cpu import apply_cpu_patches, init_cpu_rng_tracker
+
+    apply_cpu_patches()
+    own_group = not dist.is_initialized()
+    if own_group:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise RuntimeError("the checkpoint converters run in a single process (world size 1)")
+    own_state = not parallel_state.model_parallel_is_initialized()
+    if not own_state and (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_expert_model_parallel_world_size(),
+    ) != (1, 1, 1):
+        raise RuntimeError("the checkpoint converters need Megatron's parallel state at size 1")
+    if own_state:
+        parallel_state.initialize_model_parallel()
+        init_cpu_rng_tracker()  # the probe runs real models (CUDA trackers on a GPU)
+    try:
+        yield
+    finally:
+        if own_state:
+            parallel_state.destroy_model_parallel()
+        if own_group:
+            dist.destroy_process_group()
+
+
+class _AllOnMeta(TorchFunctionMode):
+    """Every tensor made or moved inside goes to the meta device, whatever device is named.
+
+    `torch.device("meta")` alone only covers factory calls without a device; some modules build
+    a small init on CPU and move it (`init.to(device=...)`), which fails for a meta init.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = "meta"
+        if func is torch.Tensor.to:
+            args = tuple("meta" if isinstance(a, (str, torch.device)) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def meta_model(description: ModelDescription) -> GPTModel:
+    """The TP=1 model of `description` on the meta device (no memory for its weights)."""
+    config = description.transformer_config(meta=True)
+    args = description.args
+    with torch.device("meta"), _AllOnMeta():
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
+            vocab_size=args.padded_vocab_size,
+            max_sequence_length=args.max_position_embeddings or args.seq_length,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_base=args.rotary_base,
+        )
+
+
+def layer_of(name: str) -> int:
+    """Layer index of a state-dict name, -1 for embedding / final norm / output layer."""
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else -1
+
+
+def tensor_entries(sharded: Dict) -> Dict[str, object]:
+    """State-dict name -> `ShardedTensor` / `ShardedTensorFactory` of a model's sharded state
+    dict (the same objects: setting their `data` fills `sharded`)."""
+    return {
+        name: entry
+        for name, entry in sharded.items()
+        if isinstance(entry, (ShardedTensor, ShardedTensorFactory))
+    }
+
+
+def expected_shapes(description: ModelDescription) -> Dict[str, Tuple[int, ...]]:
+    """State-dict name -> shape of every tensor of the model (TP=1)."""
+    entries = tensor_entries(meta_model(description).sharded_state_dict())
+    return {name: tuple(entry.data.shape) for name, entry in entries.items()}
+
+
+def resolve_checkpoint(root: str, iteration: Optional[int] = None) -> str:
+    """The `iter_XXXXXXX` directory of `root` (the latest unless `iteration` is given)."""
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            raise ConversionError(f"{root}: no {TRACKER} (not a checkpoint directory)")
+    directory = checkpoint_dir(root, iteration)
+    if not os.path.isdir(directory):
+        raise ConversionError(f"{directory}: missing")
+    return directory
+
+
+def load_model_weights(model, root: str, iteration: Optional[int] = None) -> None:
+    """Load the model tensors of a checkpoint into `model` (any TP / PP / EP; all ranks call)."""
+    directory = resolve_checkpoint(root, iteration)
+    verify_checkpoint(directory, model)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    model.load_state_dict(loaded["model"])
+
+
+def build_model(description: ModelDescription, **parallel) -> GPTModel:
+    """The real model of `description` for this rank (call inside an initialised parallel state).
+
+    Args:
+        description: the model.
+        parallel: `PretrainArgs` parallel sizes to use instead of the recorded ones, e.g.
+            `tensor_model_parallel_size=2` (they must match Megatron's parallel state).
+    """
+    if parallel:
+        description = dataclasses.replace(
+            description, args=dataclasses.replace(description.args, **parallel)
+        )
+    config = description.transformer_config()
+    args = description.args
+    use_te = args.transformer_impl == "transformer_engine"
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=use_te),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+    )

@@ -1,0 +1,278 @@
+"""Hugging Face causal LMs with MEA / KHA attention, for evaluating models the plugin trained.
+
+Each class is the stock family model (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) whose every
+`self_attn` is a `VariantAttention`: the same `q_proj` / `k_proj` / `v_proj` / `o_proj` (and
+`q_norm` / `k_norm`) plus the plugin's parameters under the names Megatron uses
+(`self_attn.head_mix.key_weight`, `self_attn.head_norm.weight`, `self_attn.knock.v_up`...).
+The order of operations is Megatron's (SPEC.md): split -> KHA -> q/k norm, MEA mixing -> k norm
+-> RoPE -> attention -> head norm -> `o_proj`. With MEA the K/V cache holds the composite heads
+(this port is for evaluation; the compressed cache is Megatron's).
+
+Self-contained (imports torch, transformers and the sibling configuration file) so that an export
+can carry it for `trust_remote_code=True`. Written against transformers 5.x.
+
+Shape legend: `b` batch, `s` sequence, `np` query heads, `nc` component K/V heads, `ng` K/V heads
+seen by attention, `hn` head dim.
+"""
+
+import torch
+from torch import nn
+from transformers import (
+    LlamaForCausalLM,
+    MixtralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import (
+    apply_rotary_pos_emb,
+    eager_attention_forward,
+)
+
+from .configuration_megatron_mea import (
+    VARIANT_DEFAULTS,
+    MegatronMEALlamaConfig,
+    MegatronMEAMixtralConfig,
+    MegatronMEAQwen2Config,
+    MegatronMEAQwen3Config,
+    MegatronMEAQwen3MoeConfig,
+)
+
+
+def variant_setting(config, name):
+    """A variant field of `config`, or its default."""
+    value = getattr(config, name, None)
+    return VARIANT_DEFAULTS[name] if value is None else value
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32 (Qwen3's `q_norm` / `k_norm`)."""
+
+    def __init__(self, size, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x):
+        wide = x.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * wide.to(x.dtype)
+
+
+class HeadMix(nn.Module):
+    """MEA HLC: composite K/V heads from component heads, `A_k`, `A_v` `[nc, ng]`."""
+
+    def __init__(self, num_components, num_groups):
+        super().__init__()
+        self.key_weight = nn.Parameter(torch.eye(num_components, num_groups))
+        self.value_weight = nn.Parameter(torch.eye(num_components, num_groups))
+
+    def forward(self, key, value):
+        """`[b, s, nc, hn]` -> `[b, s, ng, hn]` each."""
+        mix = "bsjd,jh->bshd"
+        return torch.einsum(mix, key, self.key_weight), torch.einsum(mix, value, self.value_weight)
+
+
+class HeadNorm(nn.Module):
+    """MEA head-level RMS norm of the attention output, scale `[np*hn]`."""
+
+    def __init__(self, num_heads, head_dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(num_heads * head_dim))
+        self.num_heads, self.head_dim, self.eps = num_heads, head_dim, eps
+
+    def forward(self, x):
+        """`x [b, s, np, hn]`, normalised per head in fp32."""
+        wide = x.float()
+        wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.view(self.num_heads, self.head_dim).float()
+        return (wide * weight).to(x.dtype)
+
+
+class Knock(nn.Module):
+    """KHA: shared `[hn, hn]` transforms (`x @ T`) or the gated MLP on values."""
+
+    def __init__(self, variant, targets, head_dim):
+        super().__init__()
+        self.variant, self.targets = variant, tuple(targets)
+        if variant == "linear":
+            for target in self.targets:
+                self.register_parameter(f"{target}_weight", nn.Parameter(torch.eye(head_dim)))
+        else:
+            self.v_up = nn.Parameter(torch.eye(head_dim))
+            self.v_gate = nn.Parameter(torch.zeros(head_dim, head_dim))
+            self.v_down = nn.Parameter(torch.eye(head_dim))
+
+    def forward(self, query, key, value):
+        """Transform `[b, s, heads, hn]` heads, shapes kept."""
+        if self.variant == "mlp":
+            gate = torch.sigmoid(value @ self.v_gate)
+            return query, key, 2 * ((value @ self.v_up) * gate) @ self.v_down
+        heads = {"q": query, "k": key, "v": value}
+        for target in self.targets:
+            heads[target] = heads[target] @ getattr(self, f"{target}_weight")
+        return heads["q"], heads["k"], heads["v"]
+
+
+class VariantAttention(nn.Module):
+    """Self-attention with MEA or KHA, a drop-in for the family's attention module."""
+
+    def __init__(self, config, layer_idx, qkv_bias=False, qk_norm=False):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or hidden // heads
+        groups = config.num_key_value_heads
+        variant = variant_setting(config, "attention_variant")
+        components = groups
+        if variant == "mea":
+            components = variant_setting(config, "mea_num_kv_components") or groups
+        self.num_heads, self.num_components = heads, components
+        self.num_key_value_groups = heads // groups
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = getattr(config, "attention_dropout", 0.0)
+        self.is_causal = True
+        hn = self.head_dim
+        self.q_proj = nn.Linear(hidden, heads * hn, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden, components * hn, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden, components * hn, bias=qkv_bias)
+        self.o_proj = nn.Linear(heads * hn, hidden, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(hn, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hn, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.head_mix = self.head_norm = self.knock = None
+        if variant == "mea":
+            self.head_mix = HeadMix(components, groups)
+            if variant_setting(config, "mea_head_norm"):
+                self.head_norm = HeadNorm(heads, hn, config.rms_norm_eps)
+        elif variant == "kha":
+            kha = variant_setting(config, "kha_variant") or "linear"
+            targets = variant_setting(config, "kha_targets") or (
+                ("v",) if kha == "mlp" else ("q", "k", "v")
+            )
+            self.knock = Knock(kha, targets, hn)
+        else:
+            raise ValueError(f"attention_variant ({variant!r}) must be 'mea' or 'kha'")
+
+    def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
+                past_key_values=None, **kwargs):
+        """Same contract as the family's attention: returns (output `[b, s, h]`, weights)."""
+        cache = cache if cache is not None else past_key_values
+        b, s = hidden_states.shape[:2]
+        hn = self.head_dim
+        query = self.q_proj(hidden_states).view(b, s, self.num_heads, hn)
+        key = self.k_proj(hidden_states).view(b, s, self.num_components, hn)
+        value = self.v_proj(hidden_states).view(b, s, self.num_components, hn)
+        if self.knock is not None:
+            query, key, value = self.knock(query, key, value)
+        if self.head_mix is not None:
+            key, value = self.head_mix(key, value)
+        if self.q_norm is not None:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query, key, cos, sin)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        output, weights = attention(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling, **kwargs,
+        )
+        if self.head_norm is not None:
+            output = self.head_norm(output)
+        return self.o_proj(output.reshape(b, s, -1).contiguous()), weights
+
+
+def _swap_attention(model, config, qkv_bias, qk_norm):
+    for index, layer in enumerate(model.model.layers):
+        layer.self_attn = VariantAttention(config, index, qkv_bias=qkv_bias, qk_norm=qk_norm)
+    model.post_init()
+
+
+class MegatronMEALlamaForCausalLM(LlamaForCausalLM):
+    """Llama with MEA / KHA attention."""
+
+    config_class = MegatronMEALlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        _swap_attention(self, config, qkv_bias=False, qk_norm=False)
+
+
+class MegatronMEAQwen2ForCausalLM(Qwen2ForCausalLM):
+    """Qwen2 (q/k/v biases) with MEA / KHA attention."""
+
+    config_class = MegatronMEAQwen2Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        _swap_attention(self, config, qkv_bias=True, qk_norm=False)
+
+
+class MegatronMEAQwen3ForCausalLM(Qwen3ForCausalLM):
+    """Qwen3 (q/k norms) with MEA / KHA attention."""
+
+    config_class = MegatronMEAQwen3Config
+
+    def __init__(self, config):
+        super().__init__(config)
+        _swap_attention(self, config, qkv_bias=False, qk_norm=True)
+
+
+class MegatronMEAQwen3MoeForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen3-MoE (q/k norms) with MEA / KHA attention."""
+
+    config_class = MegatronMEAQwen3MoeConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        _swap_attention(self, config, qkv_bias=False, qk_norm=True)
+
+
+class MegatronMEAMixtralForCausalLM(MixtralForCausalLM):
+    """Mixtral with MEA / KHA attention."""
+
+    config_class = MegatronMEAMixtralConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        _swap_attention(self, config, qkv_bias=False, qk_norm=False)
+
+
+MODELS = {
+    cls.config_class.model_type: cls
+    for cls in (
+        MegatronMEALlamaForCausalLM,
+        MegatronMEAQwen2ForCausalLM,
+        MegatronMEAQwen3ForCausalLM,
+        MegatronMEAQwen3MoeForCausalLM,
+        MegatronMEAMixtralForCausalLM,
+    )
+}
+
+
+def _register_weight_conversions():
+    # transformers 5 fuses MoE experts at load time through per-model_type conversion rules;
+    # our model types reuse their base family's rules (checkpoints keep the per-expert layout).
+    try:
+        from transformers.conversion_mapping import (
+            get_checkpoint_conversion_mapping,
+            register_checkpoint_conversion_mapping,
+        )
+    except ImportError:
+        return
+    for model_type, cls in MODELS.items():
+        base = cls.config_class.__mro__[1].model_type
+        mapping = get_checkpoint_conversion_mapping(base)
+        if mapping:
+            register_checkpoint_conversion_mapping(model_type, mapping, overwrite=True)
+
+
+_register_weight_conversions()

@@ -1,0 +1,88 @@
+"""Tiny random Hugging Face models of every supported family, built from configs (nothing is
+downloaded), saved as safetensors checkpoints for the converters."""
+
+import torch
+
+VOCAB = 96
+SEQ = 12
+# 8 query heads / 4 KV heads of 8 channels, 2 layers: GQA, several heads per TP rank at TP=2.
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=8,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+
+
+def hf_config(family, **overrides):
+    """The transformers config of a tiny `family` model."""
+    from transformers import (
+        LlamaConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
+
+    fields = dict(COMMON)
+    if family == "llama":
+        cls = LlamaConfig
+        fields.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    elif family == "qwen2":
+        cls = Qwen2Config
+    elif family == "qwen3":
+        cls = Qwen3Config
+    elif family == "qwen3_moe":
+        cls = Qwen3MoeConfig
+        # Layer 0 dense, layer 1 MoE; no top-k renormalisation (Megatron's pre-softmax routing).
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      mlp_only_layers=[0], norm_topk_prob=False)
+    elif family == "mixtral":
+        cls = MixtralConfig
+        fields.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)
+    else:
+        raise ValueError(family)
+    fields.update(overrides)
+    return cls(**fields)
+
+
+def build_hf_model(family, seed=0, **overrides):
+    """A random fp32 causal LM of `family` in eval mode, with non-trivial norm scales and biases."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = hf_config(family, **overrides)
+    config._attn_implementation = "eager"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith(("gate.weight", "embed_tokens.weight", "lm_head.weight")):
+                param.normal_(0, 0.5)
+    return model
+
+
+def save_hf_model(model, directory):
+    """Save as safetensors (the format the importer reads)."""
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def tokens(batch=2, seed=3):
+    """Token ids `[b, s]`."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+
+
+def hf_logits(model, ids):
+    """Logits `[b, s, V]` of an HF causal LM."""
+    with torch.no_grad():
+        return model(ids).logits.float()

@@ -1,0 +1,105 @@
+"""Exports of the variants: folded into stock architectures (MEA without head norm, KHA-Linear)
+and through our modeling code (MEA with head norm, KHA-MLP) give the Megatron variant's logits."""
+
+import os
+
+import pytest
+import torch
+
+from megatron_mea.checkpoint import (
+    ConversionError,
+    export_hf_checkpoint,
+    import_hf_checkpoint,
+    read_checkpoint,
+)
+from tests.checkpoint._hf_models import hf_logits, tokens
+from tests.checkpoint._megatron import megatron_logits, perturb_plugin_params
+
+ATOL = 1e-4
+
+
+def load_hf(directory):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+
+
+FOLDED = [
+    ("qwen3", "mea", {}),  # k_norm after the folded mixing
+    ("qwen2", "mea", {}),  # biases fold too
+    ("llama", "kha", {}),
+    ("qwen3_moe", "kha", {"kha_variant": "linear", "kha_targets": ["q", "v"]}),
+]
+
+
+@pytest.mark.parametrize("family,variant,options", FOLDED,
+                         ids=[f"{f}-{v}" for f, v, _ in FOLDED])
+def test_folded_export_is_a_stock_model_with_the_variant_logits(
+    checkpoints, tmp_path, family, variant, options
+):
+    trained = perturb_plugin_params(checkpoints.imported(family, variant, **options),
+                                    str(tmp_path / "trained"))
+    out = str(tmp_path / "hf")
+    assert export_hf_checkpoint(trained, out) == "plain"
+    model = load_hf(out)
+    assert type(model).__name__ == checkpoints.hf(family)[1].__class__.__name__
+    ids = tokens()
+    expected = megatron_logits(trained, ids)
+    torch.testing.assert_close(hf_logits(model, ids), expected, atol=ATOL, rtol=1e-4)
+    # Guard: the perturbed variant is not the imported baseline any more.
+    assert (expected - hf_logits(checkpoints.hf(family)[1], ids)).abs().max() > 1e-2
+
+
+NATIVE = [
+    ("qwen3", "mea", {"mea_head_norm": True}),
+    ("mixtral", "mea", {"mea_head_norm": True}),
+    ("qwen2", "kha", {"kha_variant": "mlp"}),
+    ("qwen3_moe", "kha", {"kha_variant": "mlp"}),
+]
+
+
+@pytest.mark.parametrize("family,variant,options", NATIVE,
+                         ids=[f"{f}-{v}" for f, v, _ in NATIVE])
+def test_native_export_has_the_variant_logits_and_round_trips(
+    checkpoints, tmp_path, family, variant, options
+):
+    import megatron_mea.hf  # noqa: F401  (AutoModelForCausalLM knows the native types)
+
+    trained = perturb_plugin_params(checkpoints.imported(family, variant, **options),
+                                    str(tmp_path / "trained"))
+    with pytest.raises(ConversionError, match="does not fold"):
+        export_hf_checkpoint(trained, str(tmp_path / "plain"), format="plain")
+    out = str(tmp_path / "hf")
+    assert export_hf_checkpoint(trained, out) == "native"
+    assert os.path.exists(os.path.join(out, "modeling_megatron_mea.py"))
+    ids = tokens()
+    torch.testing.assert_close(hf_logits(load_hf(out), ids), megatron_logits(trained, ids),
+                               atol=ATOL, rtol=1e-4)
+    # The native export imports back to the same Megatron tensors.
+    again = str(tmp_path / "again")
+    import_hf_checkpoint(out, again)
+    _, first = read_checkpoint(trained)
+    _, second = read_checkpoint(again)
+    for (_, a), (_, b) in zip(first, second, strict=True):
+        assert sorted(a) == sorted(b)
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+
+
+def test_native_export_loads_with_trust_remote_code(checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    out = str(tmp_path / "hf")
+    export_hf_checkpoint(checkpoints.imported("qwen3", "kha", kha_variant="mlp"), out)
+    # A fresh interpreter that never imports megatron_mea: the export's own files suffice.
+    code = (
+        "import sys, torch; from transformers import AutoModelForCausalLM; "
+        f"m = AutoModelForCausalLM.from_pretrained({out!r}, trust_remote_code=True); "
+        "m(torch.tensor([[1, 2, 3]])); "
+        "assert 'megatron_mea' not in sys.modules; print(type(m).__name__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": ""}, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "MegatronMEAQwen3ForCausalLM" in result.stdout

@@ -1,0 +1,181 @@
+"""Checkpoint conversion: Hugging Face <-> Megatron (`torch_dist`), upcycling, MEA KV compression.
+
+A thin command line over `megatron_mea.checkpoint`::
+
+    # HF -> Megatron, as the baseline, MEA (identity mixing) or KHA (identity) for continued
+    # pretraining; the checkpoint loads at any TP / PP / EP
+    python tools/convert_checkpoint.py import-hf --hf-dir Qwen3-30B-A3B --save ckpt/qwen3 \
+        --attention-variant mea [--mea-head-norm] [--tensor-model-parallel-size 4 ...]
+    mea-pretrain --config ckpt/qwen3/config.yaml --load ckpt/qwen3 --save ckpt/run ...
+
+    # Megatron -> HF: plain family architecture (baseline; MEA without head norm and
+    # KHA-Linear folded) or our modeling code (`--format native`; MEA with head norm, KHA-MLP)
+    python tools/convert_checkpoint.py export-hf --load ckpt/run --save hf/run \
+        [--format auto|plain|native] [--reference Qwen3-30B-A3B]
+
+    # MEA post-hoc KV compression (SVD over K/V heads) and the per-layer loss probe
+    python tools/convert_checkpoint.py probe --load ckpt/qwen3 --num-kv-components 2 \
+        --data-path data/corpus --seq-length 1024 --num-samples 32
+    python tools/convert_checkpoint.py compress --load ckpt/qwen3 --save ckpt/qwen3-kv2 \
+        --num-kv-components 2 --layers all
+
+Exit status: 0 on success, 1 when a checkpoint or config is refused (the message names the
+tensor or field), 2 on usage errors.
+"""
+
+import argparse
+import logging
+import sys
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+def _import_hf(args):
+    from megatron_mea.checkpoint import import_hf_checkpoint
+
+    parallel = {
+        name: getattr(args, name)
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size")
+        if getattr(args, name) is not None
+    }
+    import_hf_checkpoint(
+        args.hf_dir,
+        args.save,
+        attention_variant=args.attention_variant,
+        mea_head_norm=args.mea_head_norm,
+        kha_variant=args.kha_variant,
+        kha_targets=args.kha_targets,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        parallel=parallel,
+    )
+    print(f"wrote {args.save} (continue with: mea-pretrain --config {args.save}/config.yaml "
+          f"--load {args.save} ...)")
+
+
+def _export_hf(args):
+    from megatron_mea.checkpoint import export_hf_checkpoint
+
+    fmt = export_hf_checkpoint(
+        args.load,
+        args.save,
+        format=args.format,
+        reference=args.reference,
+        dtype=DTYPES[args.dtype] if args.dtype else None,
+        iteration=args.iteration,
+        max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
+    )
+    hint = " (import megatron_mea.hf or pass trust_remote_code=True)" if fmt == "native" else ""
+    print(f"wrote {args.save} in the {fmt} format{hint}")
+
+
+def _compress(args):
+    from megatron_mea.checkpoint import compress_checkpoint
+
+    compress_checkpoint(
+        args.load,
+        args.save,
+        args.num_kv_components,
+        layers=args.layers,
+        mea_head_norm=args.mea_head_norm,
+        iteration=args.iteration,
+    )
+    print(f"wrote {args.save} (MEA, {args.num_kv_components} K/V components per layer)")
+
+
+def _probe(args):
+    from megatron_mea.checkpoint import load_tokens, probe_layers, select_layers
+    from megatron_mea.checkpoint.megatron_io import ModelDescription
+
+    num_layers = ModelDescription.load(args.load).args.num_layers
+    layers = select_layers(args.layers, num_layers)
+    tokens = load_tokens(args.data_path, args.seq_length, args.num_samples)
+    result = probe_layers(args.load, tokens, args.num_kv_components, layers=layers,
+                          micro_batch_size=args.micro_batch_size, iteration=args.iteration)
+    print(result.table())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser (one sub-command per conversion)."""
+    parser = argparse.ArgumentParser(
+        prog="convert_checkpoint.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    imp = commands.add_parser("import-hf", help="Hugging Face safetensors -> torch_dist")
+    imp.add_argument("--hf-dir", required=True,
+                     help="HF model directory (config.json + safetensors)")
+    imp.add_argument("--save", required=True, help="output checkpoint directory (empty)")
+    imp.add_argument("--attention-variant", choices=("standard", "mea", "kha"), default="standard")
+    imp.add_argument("--mea-head-norm", action="store_true",
+                     help="MEA: add the head norm (scale 1; changes the function). Default: off")
+    imp.add_argument("--kha-variant", choices=("linear", "mlp"), default=None)
+    imp.add_argument("--kha-targets", nargs="+", choices=("q", "k", "v"), default=None)
+    imp.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                     help="checkpoint dtype. Default: the HF config's (bf16 or fp32)")
+    imp.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                     help="pad the vocabulary to a multiple of this. Default: no padding")
+    for name in ("tensor-model-parallel-size", "pipeline-model-parallel-size",
+                 "expert-model-parallel-size"):
+        imp.add_argument(f"--{name}", type=int, default=None,
+                         help="recorded in config.yaml (the checkpoint loads at any layout)")
+    imp.set_defaults(run=_import_hf)
+
+    exp = commands.add_parser("export-hf", help="torch_dist -> Hugging Face safetensors")
+    exp.add_argument("--load", required=True, help="checkpoint directory (mea-pretrain --save)")
+    exp.add_argument("--save", required=True, help="output HF directory (empty)")
+    exp.add_argument("--format", choices=("auto", "plain", "native"), default="auto")
+    exp.add_argument("--reference", default=None,
+                     help="HF directory whose config.json is the template "
+                          "(e.g. the model the run was upcycled from)")
+    exp.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    exp.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
+    exp.set_defaults(run=_export_hf)
+
+    for name, helptext in (("compress", "MEA post-hoc KV compression (SVD over K/V heads)"),
+                           ("probe", "loss increase of compressing each layer alone")):
+        sub = commands.add_parser(name, help=helptext)
+        sub.add_argument("--load", required=True, help="baseline or MEA checkpoint directory")
+        sub.add_argument("--num-kv-components", type=int, required=True, help="nc")
+        sub.add_argument("--layers", default="all",
+                         help="all | middle-half | all-but-first-N | 0,3,5-7. Default: all")
+        sub.add_argument("--iteration", type=int, default=None, help="default: the latest")
+        if name == "compress":
+            sub.add_argument("--save", required=True, help="output checkpoint directory (empty)")
+            sub.add_argument("--mea-head-norm", action=argparse.BooleanOptionalAction,
+                             default=None, help="default: keep the checkpoint's (baseline: none)")
+            sub.set_defaults(run=_compress)
+        else:
+            sub.add_argument("--data-path", required=True, help="Megatron .bin/.idx prefix")
+            sub.add_argument("--seq-length", type=int, default=1024)
+            sub.add_argument("--num-samples", type=int, default=16)
+            sub.add_argument("--micro-batch-size", type=int, default=4)
+            sub.set_defaults(run=_probe)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run one conversion; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    from megatron_mea.checkpoint import ConversionError
+    from megatron_mea.training.checkpointing import CheckpointError
+
+    try:
+        args.run(args)
+    except (ConversionError, CheckpointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
