@@ -177,14 +177,10 @@ def description_from_hf(
         )
     args, overrides = {}, {}
     for name, value in fields.items():
-        if name in _ARG_FIELDS and not (name == "moe_layer_freq" and isinstance(value, list)):
+        if name in _ARG_FIELDS:
             args[name] = value
         else:
             overrides[name] = value
-    if isinstance(fields.get("moe_layer_freq"), list):
-        args["moe_layer_freq"] = 1
-    if not isinstance(args.get("rotary_base", 0), int):
-        overrides["rotary_base"] = args.pop("rotary_base")
     hf_config = config.to_dict()
     for name in VARIANT_FIELDS:
         hf_config.pop(name, None)

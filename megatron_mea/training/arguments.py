@@ -6,11 +6,12 @@ resolved arguments are saved next to the checkpoints (`<save>/config.yaml`).
 """
 
 import argparse
+import ast
 import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import yaml
 
@@ -35,12 +36,16 @@ class PretrainArgs:
     swiglu: bool = True
     untie_embeddings_and_output_weights: bool = True
     position_embedding_type: str = "rope"
-    rotary_base: int = 10000
+    rotary_base: float = 10000.0
+    layernorm_epsilon: float = 1e-5
+    add_qkv_bias: bool = False
     init_method_std: float = 0.02
     num_experts: Optional[int] = 4
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None
-    moe_layer_freq: int = 1
+    moe_layer_freq: Union[int, List[int]] = 1
+    """1 in N layers is MoE (an int), or a 0/1 pattern with one entry per layer (a list)."""
+    moe_router_pre_softmax: bool = False
     moe_router_load_balancing_type: str = "aux_loss"
     moe_aux_loss_coeff: float = 1e-2
     moe_token_dispatcher_type: str = "alltoall"
@@ -140,6 +145,26 @@ _CHOICES = {
 }
 
 
+def _layer_pattern(value):
+    """`moe_layer_freq`: an int, a list of 0/1, or either written as a string ("[0,1,1]")."""
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError) as exc:
+            raise ValueError(
+                f"moe_layer_freq: expected an int or a list such as [0,1,1], got {value!r}"
+            ) from exc
+    if isinstance(value, bool) or not (
+        isinstance(value, int)
+        or (isinstance(value, list) and all(v in (0, 1) and not isinstance(v, bool) for v in value))
+    ):
+        raise ValueError(f"moe_layer_freq: expected an int or a list of 0/1, got {value!r}")
+    return value
+
+
+_CUSTOM_TYPES = {"moe_layer_freq": _layer_pattern}
+
+
 def _base_type(annotation):
     """(python type, is_list) of a field annotation such as Optional[List[str]]."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
@@ -164,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--config", help="YAML file of flag: value pairs (flags override it)")
     for f in dataclasses.fields(PretrainArgs):
+        if f.name in _CUSTOM_TYPES:
+            parser.add_argument(_flag(f.name), dest=f.name, type=_CUSTOM_TYPES[f.name])
+            continue
         kind, is_list = _base_type(f.type)
         if kind is bool:
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction)
@@ -204,7 +232,10 @@ def load_yaml(path: str) -> dict:
         name = str(key).replace("-", "_")
         if name not in fields:
             raise ValueError(f"{path}: unknown setting {key!r}")
-        values[name] = _coerce(f"{path}: {key}", value, fields[name].type)
+        if name in _CUSTOM_TYPES:
+            values[name] = _CUSTOM_TYPES[name](value)
+        else:
+            values[name] = _coerce(f"{path}: {key}", value, fields[name].type)
     return values
 
 

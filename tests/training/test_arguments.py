@@ -69,3 +69,18 @@ def test_yaml_errors_name_the_file_and_key(tmp_path):
 def test_bad_flag_value_is_an_argparse_error():
     with pytest.raises(SystemExit):
         parse_args(["--attention-variant", "mla"])
+
+
+def test_moe_layer_pattern_and_hf_derived_fields(tmp_path):
+    args = parse_args(["--num-layers", "3", "--moe-layer-freq", "[0,1,1]", "--rotary-base",
+                       "1e6", "--layernorm-epsilon", "1e-6", "--add-qkv-bias", *MOCK])
+    assert args.moe_layer_freq == [0, 1, 1] and args.rotary_base == 1e6
+    config = tmp_path / "run.yaml"
+    config.write_text("num-layers: 2\nmoe-layer-freq: [1, 0]\n")
+    assert parse_args(["--config", str(config), *MOCK]).moe_layer_freq == [1, 0]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("moe-layer-freq: [0, 2]\n")
+    with pytest.raises(ValueError, match=r"moe_layer_freq: expected an int or a list of 0/1"):
+        parse_args(["--config", str(bad), *MOCK])
+    with pytest.raises(SystemExit):  # argparse reports a bad flag value itself
+        parse_args(["--moe-layer-freq", "[0,2]", *MOCK])
