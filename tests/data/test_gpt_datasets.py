@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from megatron_mea.data import ByteLevelTokenizer, build_gpt_datasets, preprocess_files
+from tests._dist import run_distributed
 
 SEQ = 16
 
@@ -119,15 +120,23 @@ def test_argument_errors_name_the_flags(tmp_path, tok):
         build_gpt_datasets([str(tmp_path / "missing")], "1,0,0", SEQ, tok, 1, 1, 1, 1, mock=False)
 
 
+def _blend_without_process_group(rank, world_size, prefixes, cache):
+    """In a fresh process, where torch.distributed was never initialised."""
+    assert not torch.distributed.is_initialized()
+    try:
+        build_gpt_datasets(prefixes, "1,0,0", SEQ, ByteLevelTokenizer(), 2, 0, 0, 1, False, cache)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def test_blend_with_cache_dir_needs_a_process_group(tmp_path, tok):
-    if torch.distributed.is_initialized():
-        pytest.skip("another test initialised torch.distributed in this session")
     prefix_a = _make_dataset(tmp_path, tok, ["x " * 9], "a")
     prefix_b = _make_dataset(tmp_path, tok, ["y " * 9], "b")
-    with pytest.raises(RuntimeError, match="torch.distributed"):
-        build_gpt_datasets(
-            [prefix_a, prefix_b], "1,0,0", SEQ, tok, 2, 0, 0, 1, False, str(tmp_path)
-        )
+    (error,) = run_distributed(
+        _blend_without_process_group, 1, [prefix_a, prefix_b], str(tmp_path)
+    )
+    assert error is not None and "torch.distributed" in error
 
 
 def test_blend_with_cache_dir_under_one_rank_group(tmp_path, tok, single_rank):
