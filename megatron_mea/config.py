@@ -6,7 +6,7 @@ the sizes involved, so that nothing fails later as an assert deep inside a forwa
 
 import logging
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, Tuple
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -46,6 +46,10 @@ class MEATransformerConfig(TransformerConfig):
     HLC rebuilds the `ng` composite heads from them. Default `ng`; `nc < ng` gives virtual heads
     (KV cache `nc/ng` of GQA's). Must divide `np` and be a multiple or a divisor of `t` (with
     `nc < t` every rank computes and caches all components)."""
+
+    mea_num_kv_components_per_layer: Optional[Tuple[int, ...]] = None
+    """MEA: one `nc` per layer (e.g. after compressing only some layers post hoc), overriding
+    `mea_num_kv_components`; each entry obeys the same rules."""
 
     mea_mix_init: Optional[Literal["identity", "repeat", "normal"]] = None
     """MEA: initial mixing matrices `[nc, ng]`. Default by shape: `identity` when `nc == ng`,
@@ -103,6 +107,7 @@ class MEATransformerConfig(TransformerConfig):
             name
             for name, default in (
                 ("mea_num_kv_components", None),
+                ("mea_num_kv_components_per_layer", None),
                 ("mea_mix_init", None),
                 ("kha_variant", None),
                 ("kha_targets", None),
@@ -138,38 +143,32 @@ class MEATransformerConfig(TransformerConfig):
             )
 
     def _check_mea(self):
-        np_, ng, t = self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size
+        ng = self.num_query_groups
         if self.mea_num_kv_components is None:
             self.mea_num_kv_components = ng
-        nc = self.mea_num_kv_components
-        if not isinstance(nc, int) or nc < 1:
-            raise ValueError(f"mea_num_kv_components ({nc}) must be a positive integer")
-        if nc > ng:
-            raise ValueError(
-                f"mea_num_kv_components ({nc}) must not exceed num_query_groups ({ng}): "
-                "components are compressed heads"
-            )
-        if np_ % nc != 0:
-            raise ValueError(
-                f"mea_num_kv_components ({nc}) must divide num_attention_heads ({np_}): "
-                "linear_qkv lays out query heads per component group"
-            )
-        if nc % t and t % nc:
-            raise ValueError(
-                f"mea_num_kv_components ({nc}) must be a multiple or a divisor of "
-                f"tensor_model_parallel_size ({t}): each TP rank holds nc/t component heads, or "
-                "all of them when nc < t"
-            )
-        if nc < t and (2 * nc * self.kv_channels) % t:
-            raise ValueError(
-                f"mea_num_kv_components ({nc}) x 2 x kv_channels ({self.kv_channels}) must be "
-                f"divisible by tensor_model_parallel_size ({t}) to shard linear_qkv's rows"
-            )
+        self._check_components("mea_num_kv_components", self.mea_num_kv_components)
+        per_layer = self.mea_num_kv_components_per_layer
+        if per_layer is not None:
+            per_layer = tuple(per_layer)
+            if len(per_layer) != self.num_layers:
+                raise ValueError(
+                    f"mea_num_kv_components_per_layer has {len(per_layer)} entries, "
+                    f"num_layers is {self.num_layers}"
+                )
+            for nc in sorted(set(per_layer), key=str):
+                self._check_components("mea_num_kv_components_per_layer", nc)
+            self.mea_num_kv_components_per_layer = per_layer
+            # Megatron stacks each tensor of all layers under one key, which needs one shape;
+            # with per-layer shapes, checkpoint every layer under its own key instead.
+            self.hetereogenous_dist_checkpoint = True
+        counts = set(per_layer or (self.mea_num_kv_components,))
         if self.mea_mix_init is None:
-            self.mea_mix_init = "identity" if nc == ng else "repeat"
+            # `repeat` is the identity wherever nc == ng.
+            self.mea_mix_init = "identity" if counts == {ng} else "repeat"
         if self.mea_mix_init not in MEA_MIX_INITS:
             raise ValueError(f"mea_mix_init ({self.mea_mix_init!r}) must be one of {MEA_MIX_INITS}")
-        if self.mea_mix_init == "identity" and nc != ng:
+        if self.mea_mix_init == "identity" and counts != {ng}:
+            nc = min(counts)
             raise ValueError(
                 f"mea_mix_init='identity' needs mea_num_kv_components ({nc}) == num_query_groups "
                 f"({ng}); use 'repeat' or 'normal'"
@@ -183,6 +182,43 @@ class MEATransformerConfig(TransformerConfig):
                 f"mea_tp_exchange={self.mea_tp_exchange!r} is not implemented yet (issue 7, "
                 "'Performance: the weights exchange, auto'); use 'activations'"
             )
+
+    def _check_components(self, name, nc):
+        np_, ng, t = self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size
+        if not isinstance(nc, int) or isinstance(nc, bool) or nc < 1:
+            raise ValueError(f"{name} ({nc}) must be a positive integer")
+        if nc > ng:
+            raise ValueError(
+                f"{name} ({nc}) must not exceed num_query_groups ({ng}): components are "
+                "compressed heads"
+            )
+        if np_ % nc != 0:
+            raise ValueError(
+                f"{name} ({nc}) must divide num_attention_heads ({np_}): linear_qkv lays out "
+                "query heads per component group"
+            )
+        if nc % t and t % nc:
+            raise ValueError(
+                f"{name} ({nc}) must be a multiple or a divisor of tensor_model_parallel_size "
+                f"({t}): each TP rank holds nc/t component heads, or all of them when nc < t"
+            )
+        if nc < t and (2 * nc * self.kv_channels) % t:
+            raise ValueError(
+                f"{name} ({nc}) x 2 x kv_channels ({self.kv_channels}) must be divisible by "
+                f"tensor_model_parallel_size ({t}) to shard linear_qkv's rows"
+            )
+
+    def kv_components(self, layer_number: int) -> int:
+        """MEA's `nc` of layer `layer_number` (1-based, global, as Megatron numbers layers)."""
+        per_layer = self.mea_num_kv_components_per_layer
+        if per_layer is None:
+            return self.mea_num_kv_components
+        if not 1 <= layer_number <= len(per_layer):
+            raise ValueError(
+                f"mea_num_kv_components_per_layer has {len(per_layer)} entries, no entry for "
+                f"layer {layer_number} (MTP layers need mea_num_kv_components)"
+            )
+        return per_layer[layer_number - 1]
 
     def _check_kha(self):
         if self.kha_variant is None:

@@ -49,6 +49,14 @@ def make(**fields):
             r"mea_mix_init='identity' needs mea_num_kv_components \(2\) == num_query_groups \(4\)",
         ),
         (dict(attention_variant="mea", mea_mix_init="eye"), r"mea_mix_init \('eye'\)"),
+        (
+            dict(attention_variant="mea", mea_num_kv_components_per_layer=(2,)),
+            r"mea_num_kv_components_per_layer has 1 entries, num_layers is 2",
+        ),
+        (
+            dict(attention_variant="mea", mea_num_kv_components_per_layer=(2, 3)),
+            r"mea_num_kv_components_per_layer \(3\) must divide num_attention_heads \(8\)",
+        ),
         (dict(attention_variant="mea", mea_tp_exchange="nccl"), r"mea_tp_exchange \('nccl'\)"),
         (
             dict(attention_variant="kha", num_query_groups=2, tensor_model_parallel_size=4),
@@ -91,6 +99,15 @@ def test_features_that_bypass_the_split_are_refused_before_megatron_checks(varia
 def test_unimplemented_tp_exchanges_name_the_performance_issue(exchange):
     with pytest.raises(NotImplementedError, match="issue 7"):
         make(attention_variant="mea", mea_tp_exchange=exchange)
+
+
+def test_per_layer_components_checkpoint_per_layer():
+    config = make(attention_variant="mea", mea_num_kv_components_per_layer=[2, 4])
+    assert config.kv_components(1) == 2 and config.kv_components(2) == 4
+    assert config.mea_mix_init == "repeat"  # the identity where nc == ng
+    assert config.hetereogenous_dist_checkpoint  # layers of different shapes: per-layer keys
+    with pytest.raises(ValueError, match="no entry for layer 3"):
+        config.kv_components(3)
 
 
 def test_defaults_resolve_by_shape_and_model():

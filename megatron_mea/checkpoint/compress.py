@@ -93,12 +93,13 @@ def svd_heads(heads: torch.Tensor, num_components: int) -> Tuple[torch.Tensor, t
     return components.float(), mix.float()
 
 
-def _composite_kv(tensors, prefix, config) -> Tuple[Dict, int]:
+def _composite_kv(tensors, layer, config) -> Tuple[Dict, int]:
     """`{"weight"|"bias": (q, k, v)}` with composite (ng) K/V heads, fp32; and nc of the input."""
     variant = config.attention_variant
     if variant == "kha":
         raise ConversionError("KV compression applies to baseline or MEA checkpoints, not KHA")
-    groups = config.mea_num_kv_components if variant == "mea" else config.num_query_groups
+    prefix = f"decoder.layers.{layer}.self_attention."
+    groups = config.kv_components(layer + 1) if variant == "mea" else config.num_query_groups
     out = {}
     for suffix in ("weight", "bias"):
         name = f"{prefix}linear_qkv.{suffix}"
@@ -141,7 +142,7 @@ def compress_layer(tensors: Dict, layer: int, config, num_components: int) -> Di
         new `head_mix` matrices); the head norm, if any, is kept.
     """
     prefix = f"decoder.layers.{layer}.self_attention."
-    parts, _ = _composite_kv(tensors, prefix, config)
+    parts, _ = _composite_kv(tensors, layer, config)
     factors = _factorise(parts, num_components)
     out = dict(tensors)
     dtype = tensors[prefix + "linear_qkv.weight"].dtype
@@ -159,7 +160,7 @@ def approximate_layer(tensors: Dict, layer: int, config, num_components: int) ->
     """The layer compressed to `nc` components, expressed in the input model's own layout (same
     shapes): the function `compress_layer` gives, for a probe on the unchanged model."""
     prefix = f"decoder.layers.{layer}.self_attention."
-    parts, groups = _composite_kv(tensors, prefix, config)
+    parts, groups = _composite_kv(tensors, layer, config)
     factors = _factorise(parts, num_components)
     out = dict(tensors)
     dtype = tensors[prefix + "linear_qkv.weight"].dtype
@@ -186,19 +187,25 @@ def approximate_layer(tensors: Dict, layer: int, config, num_components: int) ->
 
 
 def compressed_description(
-    description: ModelDescription, num_components: int, mea_head_norm: Optional[bool] = None
+    description: ModelDescription,
+    num_components: int,
+    mea_head_norm: Optional[bool] = None,
+    layers: Optional[Sequence[int]] = None,
 ) -> ModelDescription:
-    """The description of the compressed model (MEA with nc components)."""
+    """The description of the compressed model: MEA with `nc` components in `layers` (default
+    all) and `ng` (an exact reparametrisation) in the others."""
     config = description.transformer_config(meta=True)
     if config.attention_variant == "kha":
         raise ConversionError("KV compression applies to baseline or MEA checkpoints, not KHA")
-    current = (config.mea_num_kv_components if config.attention_variant == "mea"
-               else config.num_query_groups)
-    if not 1 <= num_components <= current:
+    ng, num_layers = config.num_query_groups, config.num_layers
+    if not 1 <= num_components <= ng:
         raise ConversionError(
             f"num_kv_components ({num_components}) must be between 1 and the checkpoint's "
-            f"{current} K/V heads"
+            f"{ng} K/V heads"
         )
+    per_layer = None
+    if layers is not None and sorted(layers) != list(range(num_layers)):
+        per_layer = [num_components if layer in set(layers) else ng for layer in range(num_layers)]
     if config.attention_variant == "mea":
         head_norm = config.mea_head_norm if mea_head_norm is None else mea_head_norm
     else:
@@ -206,7 +213,8 @@ def compressed_description(
     args = dataclasses.replace(
         description.args,
         attention_variant="mea",
-        mea_num_kv_components=num_components,
+        mea_num_kv_components=num_components if per_layer is None else None,
+        mea_num_kv_components_per_layer=per_layer,
         mea_mix_init=None,
         mea_head_norm=head_norm,
         kha_variant=None,
@@ -232,8 +240,8 @@ def compress_checkpoint(
         load_dir: checkpoint root (saved at any TP / PP / EP).
         save_dir: output root: a model-only checkpoint `mea-pretrain --load` continues from.
         num_kv_components: nc.
-        layers: layer selection (`select_layers`). Only `all` can be written today: the model
-            config has one `mea_num_kv_components` for every layer.
+        layers: layer selection (`select_layers`). The other layers become MEA with `nc = ng`
+            (an exact SVD reparametrisation), recorded in `mea_num_kv_components_per_layer`.
         mea_head_norm: add (True) or drop (False) the head norm. Default: keep the checkpoint's
             (a baseline has none; adding one changes the function).
         iteration: checkpoint to read. Default: the latest.
@@ -241,14 +249,8 @@ def compress_checkpoint(
     description = ModelDescription.load(load_dir)
     num_layers = description.args.num_layers
     selected = select_layers(layers, num_layers)
-    if selected != list(range(num_layers)):
-        raise ConversionError(
-            f"compressing a subset of layers ({layers!r} -> {selected}) needs a per-layer "
-            "mea_num_kv_components, which MEATransformerConfig does not support yet; compress "
-            "'all' layers (use `probe` to see which layers cost the most)"
-        )
     source_config = description.transformer_config(meta=True)
-    target = compressed_description(description, num_kv_components, mea_head_norm)
+    target = compressed_description(description, num_kv_components, mea_head_norm, selected)
     target_config = target.transformer_config(meta=True)
     with converter_process():
         _, groups = read_checkpoint(load_dir, description, iteration)
@@ -256,7 +258,9 @@ def compress_checkpoint(
         def produce():
             for layer, tensors in groups:
                 if layer >= 0:
-                    tensors = compress_layer(tensors, layer, source_config, num_kv_components)
+                    tensors = compress_layer(
+                        tensors, layer, source_config, target_config.kv_components(layer + 1)
+                    )
                     prefix = f"decoder.layers.{layer}.self_attention."
                     norm = prefix + "head_norm.weight"
                     if target_config.mea_head_norm and norm not in tensors:

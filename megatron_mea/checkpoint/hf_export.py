@@ -132,6 +132,11 @@ def export_hf_checkpoint(
         description.hf_config = _reference_config(reference)
     config = description.transformer_config(meta=True)
     fmt = choose_format(config, format)
+    if fmt == "native" and getattr(config, "mea_num_kv_components_per_layer", None) is not None:
+        raise ConversionError(
+            "mea_num_kv_components_per_layer: a native export has one component count for all "
+            "layers; export without the head norm (folded to plain q/k/v) or compress all layers"
+        )
     fam, fields = hf_config_dict(description)
     started = time.perf_counter()
     with converter_process():

@@ -72,7 +72,7 @@ def fold_layer(tensors: Dict[str, torch.Tensor], layer: int, config) -> Dict[str
     out = {k: v for k, v in tensors.items() if not is_plugin_param(k)}
     np_, hn = config.num_attention_heads, config.kv_channels
     if config.attention_variant == "mea":
-        groups = config.mea_num_kv_components
+        groups = config.kv_components(layer + 1)
         mix = {k: tensors[f"{prefix}head_mix.{k}_weight"].float() for k in ("key", "value")}
 
         def fold(q, k, v):

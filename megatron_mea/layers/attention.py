@@ -109,21 +109,22 @@ class MEASelfAttention(_SplitSelfAttention):
     ):
         # Megatron sizes linear_qkv and the KV cache from num_query_groups: give it the component
         # count, then restore the real config for everything downstream of HLC.
+        self.num_components = config.kv_components(layer_number)
         component_config = copy.copy(config)
-        component_config.num_query_groups = config.mea_num_kv_components
+        component_config.num_query_groups = self.num_components
         super().__init__(
             component_config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection
         )
         self.config = config
-        self.components_duplicated = config.mea_num_kv_components < self.world_size
+        self.components_duplicated = self.num_components < self.world_size
         if self.components_duplicated:
             # Megatron's "fewer groups than ranks" sizes assume one group and np/nc query heads
             # per rank; here each rank keeps np/t query heads and all nc components.
             self.num_attention_heads_per_partition = divide(
                 config.num_attention_heads, self.world_size
             )
-            self.num_query_groups_per_partition = config.mea_num_kv_components
-        if config.mea_num_kv_components != config.num_query_groups:
+            self.num_query_groups_per_partition = self.num_components
+        if self.num_components != config.num_query_groups:
             # The core attention sees ng composite groups (no parameters, so nothing is lost).
             self.core_attention = submodules.core_attention(
                 config=config,
@@ -134,7 +135,7 @@ class MEASelfAttention(_SplitSelfAttention):
                 softmax_scale=config.softmax_scale,
                 pg_collection=self.pg_collection,
             )
-        self.head_mix = HeadMix(config, self.tp_group)
+        self.head_mix = HeadMix(config, self.tp_group, self.num_components)
         self.head_norm = HeadRMSNorm(config, self.tp_group) if config.mea_head_norm else None
         if self.head_norm is not None:
             # Attention.forward runs core attention (static, dynamic, checkpointed or packed
@@ -153,7 +154,7 @@ class MEASelfAttention(_SplitSelfAttention):
         mixed_qkv = gather_features(mixed_qkv, self.tp_group)
         query, key, value = split_qkv(
             mixed_qkv,
-            self.config.mea_num_kv_components,
+            self.num_components,
             self.config.num_attention_heads,
             self.hidden_size_per_attention_head,
         )

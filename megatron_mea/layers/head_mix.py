@@ -27,12 +27,13 @@ class HeadMix(torch.nn.Module):
     Args:
         config: an `MEATransformerConfig` with attention_variant="mea".
         tp_group: the tensor-parallel process group.
+        num_components: this layer's `nc` (`config.kv_components(layer_number)`).
     """
 
-    def __init__(self, config, tp_group):
+    def __init__(self, config, tp_group, num_components):
         super().__init__()
         self.tp_group = tp_group
-        self.num_components = config.mea_num_kv_components
+        self.num_components = num_components
         self.num_groups = config.num_query_groups
         self.head_dim = config.kv_channels
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()

@@ -53,6 +53,7 @@ class PretrainArgs:
     # ---- attention variant (MEATransformerConfig fields) --------------------------------------
     attention_variant: str = "standard"
     mea_num_kv_components: Optional[int] = None
+    mea_num_kv_components_per_layer: Optional[List[int]] = None
     mea_mix_init: Optional[str] = None
     mea_head_norm: bool = True
     mea_tp_exchange: str = "activations"

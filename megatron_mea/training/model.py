@@ -61,6 +61,11 @@ def transformer_config(args: PretrainArgs, world_size: int = 1) -> MEATransforme
         persist_layer_norm=on_gpu,
         attention_variant=args.attention_variant,
         mea_num_kv_components=args.mea_num_kv_components,
+        mea_num_kv_components_per_layer=(
+            tuple(args.mea_num_kv_components_per_layer)
+            if args.mea_num_kv_components_per_layer
+            else None
+        ),
         mea_mix_init=args.mea_mix_init,
         mea_head_norm=args.mea_head_norm,
         mea_tp_exchange=args.mea_tp_exchange,

@@ -121,12 +121,39 @@ def test_compressed_mea_keeps_its_head_norm_and_exports_natively(checkpoints, tm
     torch.testing.assert_close(megatron_logits(again, ids), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_compressing_a_subset_of_layers_is_refused_with_the_reason(checkpoints, tmp_path):
-    with pytest.raises(ConversionError, match="per-layer mea_num_kv_components"):
-        compress_checkpoint(checkpoints.imported("qwen3"), str(tmp_path / "x"), 2,
-                            layers="all-but-first-1")
+def test_compressing_a_subset_of_layers_keeps_the_others_exact(checkpoints, tmp_path):
+    source = checkpoints.imported("qwen3")
+    out = str(tmp_path / "last-only")
+    target = compress_checkpoint(source, out, 2, layers="all-but-first-1")
+    assert target.args.mea_num_kv_components_per_layer == [4, 2]
+    _, groups = read_checkpoint(out)
+    layers = dict(groups)
+    rows = lambda t, i: t[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].shape[0]  # noqa: E731
+    assert rows(layers[0], 0) == (8 + 2 * 4) * 8 and rows(layers[1], 1) == (8 + 2 * 2) * 8
+    ids = tokens()
+    assert sorted(shape[2] for shape in _cache_shapes(out, ids).values()) == [2, 4]
+    # Layer 0 is an exact reparametrisation: the model equals the source with only layer 1
+    # approximated (the probe's in-place edit).
+    description, _ = read_checkpoint(source)
+    config = description.transformer_config(meta=True)
+    edited = rewrite_checkpoint(
+        source, str(tmp_path / "approx"),
+        lambda layer, t: approximate_layer(t, layer, config, 2) if layer == 1 else t,
+    )
+    torch.testing.assert_close(megatron_logits(out, ids), megatron_logits(edited, ids),
+                               atol=1e-4, rtol=1e-4)
+    with pytest.raises(ConversionError, match="mea_num_kv_components_per_layer: a native export"):
+        export_hf_checkpoint(out, str(tmp_path / "hf"), format="native")
+    # Without the head norm every layer folds back into a stock model, whatever its nc.
+    from transformers import AutoModelForCausalLM
+
+    assert export_hf_checkpoint(out, str(tmp_path / "plain"), format="plain") == "plain"
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "plain"),
+                                                 attn_implementation="eager").eval()
+    torch.testing.assert_close(hf_logits(model, ids), megatron_logits(out, ids),
+                               atol=1e-4, rtol=1e-4)
     with pytest.raises(ConversionError, match="between 1 and"):
-        compress_checkpoint(checkpoints.imported("qwen3"), str(tmp_path / "y"), 5)
+        compress_checkpoint(source, str(tmp_path / "y"), 5)
 
 
 @pytest.fixture(scope="module")

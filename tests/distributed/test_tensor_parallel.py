@@ -29,8 +29,14 @@ def _assert_equivalent(results):
             assert plugin, f"{name}: no plugin parameter was compared"
 
 
+# One nc per layer (selective post-hoc compression): per-layer checkpoint keys.
+PER_LAYER = ("mea-per-layer", dict(attention_variant="mea", mea_num_kv_components_per_layer=(2, 4),
+                                   mea_mix_init="normal"))
+
+
 def test_tp2_sp_equals_tp1_in_loss_and_every_gradient(tmp_path):
-    results = run_distributed(_workers.equivalence, 2, VARIANTS, 2, 1, True, str(tmp_path))
+    variants = [*VARIANTS, PER_LAYER]
+    results = run_distributed(_workers.equivalence, 2, variants, 2, 1, True, str(tmp_path))
     _assert_equivalent(results)
 
 

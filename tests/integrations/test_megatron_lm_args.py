@@ -39,8 +39,8 @@ def test_every_plugin_field_has_a_flag_whose_dest_is_the_field_name():
     parser = megatron_parser()
     by_dest = {a.dest: a for a in parser._actions}
     assert [f.name for f in plugin_fields()] == [
-        "attention_variant", "mea_num_kv_components", "mea_mix_init", "mea_head_norm",
-        "mea_tp_exchange", "kha_variant", "kha_targets"]
+        "attention_variant", "mea_num_kv_components", "mea_num_kv_components_per_layer",
+        "mea_mix_init", "mea_head_norm", "mea_tp_exchange", "kha_variant", "kha_targets"]
     for field in plugin_fields():
         assert flag_name(field.name) in by_dest[field.name].option_strings
         assert by_dest[field.name].default == field.default
@@ -66,12 +66,14 @@ def test_choices_come_from_the_literal_annotations():
               mea_head_norm=False, mea_tp_exchange="activations")),
         (["--attention-variant", "mea", "--mea-head-norm"],
          dict(attention_variant="mea", mea_num_kv_components=None, mea_head_norm=True)),
+        (["--attention-variant", "mea", "--mea-num-kv-components-per-layer", "2", "4"],
+         dict(attention_variant="mea", mea_num_kv_components_per_layer=(2, 4))),
         (["--attention-variant", "kha", "--kha-variant", "linear", "--kha-targets", "q", "k"],
          dict(attention_variant="kha", kha_variant="linear", kha_targets=("q", "k"))),
         (["--attention-variant", "kha", "--kha-variant", "mlp", "--kha-targets", "v"],
          dict(attention_variant="kha", kha_variant="mlp", kha_targets=("v",))),
     ],
-    ids=["standard", "mea-virtual", "mea-default", "kha-linear-qk", "kha-mlp"],
+    ids=["standard", "mea-virtual", "mea-default", "mea-per-layer", "kha-linear-qk", "kha-mlp"],
 )
 def test_flags_round_trip_to_config(flags, expected):
     args = megatron_parser().parse_args(MODEL + flags)
