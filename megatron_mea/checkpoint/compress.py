@@ -27,6 +27,7 @@ from megatron_mea.checkpoint.dist_io import read_checkpoint, write_checkpoint
 from megatron_mea.checkpoint.fold import fold_head_mix
 from megatron_mea.checkpoint.megatron_io import (
     ConversionError,
+    SINGLE_PROCESS_LAYOUT,
     ModelDescription,
     build_model,
     converter_process,
@@ -357,18 +358,7 @@ def probe_layers(
     compressed_description(description, num_kv_components)  # validates nc
     layers = list(range(description.args.num_layers)) if layers is None else list(layers)
     with converter_process():
-        model = build_model(
-            description,
-            tensor_model_parallel_size=1,
-            pipeline_model_parallel_size=1,
-            expert_model_parallel_size=1,
-            expert_tensor_parallel_size=None,
-            context_parallel_size=1,
-            sequence_parallel=False,
-            transformer_impl="local",
-            moe_grouped_gemm=False,
-            fp8_format=None,
-        ).eval()
+        model = build_model(description, **SINGLE_PROCESS_LAYOUT).eval()
         load_model_weights(model, load_dir, iteration)
         config = model.config
         params = dict(model.named_parameters())

@@ -53,6 +53,20 @@ class ConversionError(ValueError):
     """A checkpoint or model that cannot be converted as asked; the message names the tensor."""
 
 
+# The layout the converters use: one process, Megatron's local modules, no FP8.
+SINGLE_PROCESS_LAYOUT = dict(
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    expert_model_parallel_size=1,
+    expert_tensor_parallel_size=None,
+    context_parallel_size=1,
+    sequence_parallel=False,
+    transformer_impl="local",
+    moe_grouped_gemm=False,
+    fp8_format=None,
+)
+
+
 @dataclasses.dataclass
 class ModelDescription:
     """Everything needed to rebuild the model of a checkpoint.
@@ -76,18 +90,7 @@ class ModelDescription:
         """The model's `MEATransformerConfig` (TP=PP=EP=1 when `meta`, for the converters)."""
         args = self.args
         if meta:
-            args = dataclasses.replace(
-                args,
-                tensor_model_parallel_size=1,
-                pipeline_model_parallel_size=1,
-                expert_model_parallel_size=1,
-                expert_tensor_parallel_size=None,
-                context_parallel_size=1,
-                sequence_parallel=False,
-                transformer_impl="local",
-                moe_grouped_gemm=False,
-                fp8_format=None,
-            )
+            args = dataclasses.replace(args, **SINGLE_PROCESS_LAYOUT)
         config = transformer_config(args)
         fields = dict(self.overrides)
         if meta:
