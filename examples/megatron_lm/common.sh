@@ -82,7 +82,7 @@ launch() {
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "launch ($LAUNCH, $NNODES node(s) x $GPUS_PER_NODE GPUs):"
         echo "  torchrun ${torchrun_args[*]} $ENTRY <${#@} argument tokens>"
-        "$PYTHON" -m megatron_mea.integrations.dry_run --world-size "$WORLD_SIZE" -- "$@"
+        "$PYTHON" -m megatron_mea.cli.dry_run --world-size "$WORLD_SIZE" -- "$@"
         return
     fi
     case "$LAUNCH" in

@@ -1,6 +1,6 @@
 """Validate a `pretrain_gpt_mea.py` argument set without Megatron-LM or a GPU.
 
-    python -m megatron_mea.integrations.dry_run --world-size 16 -- <every training flag>
+    python -m megatron_mea.cli.dry_run --world-size 16 -- <every training flag>
 
 1. Parses the flags with Megatron-LM `core_v0.16.1`'s own parser, rebuilt from the vendored flag
    table (`mlm_flags.py`), plus `add_mea_args`: unknown flags, missing values, bad types and bad
@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import dataclasses
 import os
-import sys
 import warnings
 
 from megatron_mea.integrations.args import add_mea_args
@@ -230,43 +229,3 @@ def dry_run(argv: list, world_size: int, te_version: str = ASSUMED_TE_VERSION) -
         raise DryRunError(f"config: {type(err).__name__}: {err}") from err
     args.padded_vocab_size = padded_vocab_size(args)
     return {"args": args, "config": config, "size": model_size(ModelShape.from_args(args))}
-
-
-def main(argv=None) -> int:
-    """CLI: `python -m megatron_mea.integrations.dry_run --world-size N -- <flags>`."""
-    argv = sys.argv[1:] if argv is None else argv
-    own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
-    cli = argparse.ArgumentParser(prog="python -m megatron_mea.integrations.dry_run")
-    cli.add_argument("--world-size", type=int, default=1, help="ranks the launch will start")
-    cli.add_argument("--te-version", default=ASSUMED_TE_VERSION,
-                     help="Transformer Engine version to assume when it is not installed")
-    opts = cli.parse_args(own)
-    try:
-        result = dry_run(rest, opts.world_size, opts.te_version)
-    except DryRunError as err:
-        print(f"DRY RUN FAILED: {err}", file=sys.stderr)
-        return 1
-    args, config, size = result["args"], result["config"], result["size"]
-    print(
-        f"DRY RUN OK: {len(rest)} argument tokens, world size {args.world_size} = "
-        f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x "
-        f"CP {args.context_parallel_size} x DP {args.data_parallel_size}"
-        + (f" (EP {args.expert_model_parallel_size})" if args.num_experts else "")
-    )
-    print(
-        f"  attention_variant={config.attention_variant} "
-        + (f"nc={config.mea_num_kv_components} " if config.attention_variant == "mea" else "")
-        + (f"kha={config.kha_variant}{tuple(config.kha_targets)} "
-           if config.attention_variant == "kha" else "")
-        + f"fp8={config.fp8} fp8_recipe={config.fp8_recipe} bf16={config.bf16}"
-    )
-    print(
-        f"  params: {size['total_params'] / 1e9:.3f}B total, {size['active_params'] / 1e9:.3f}B "
-        f"active; {size['training_flops_per_token'] / 1e9:.2f} GFLOP/token (training); "
-        f"KV cache {size['kv_cache_bytes_per_token']} B/token (bf16)"
-    )
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mea.integrations.dry_run import DryRunError, dry_run, main
+from megatron_mea.cli.dry_run import main
+from megatron_mea.integrations.dry_run import DryRunError, dry_run
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "megatron_lm"
