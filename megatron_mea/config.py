@@ -61,9 +61,12 @@ class MEATransformerConfig(TransformerConfig):
     per head and channel, eps = layernorm_epsilon) before `linear_proj`."""
 
     mea_tp_exchange: Literal["activations", "weights", "auto"] = "activations"
-    """MEA under tensor parallelism: `activations` trades the head shard of K/V for a token shard
-    with one all-to-all, mixes, and trades back. `weights` (fold HLC into the K/V projection) and
-    `auto` are delivered by the performance work (issue 7)."""
+    """MEA under tensor parallelism (training forwards; evaluation and decoding always mix the
+    cached components). `activations` trades the head shard of K/V for a token shard with one
+    all-to-all, mixes, and trades back (per micro-batch). `weights` folds HLC into the K/V rows of
+    `linear_qkv` (all-gather of those rows, reduce-scatter of their gradient; once per optimizer
+    step with `megatron_mea.layers.enable_fold_cache`). `auto` takes, per micro-batch, whichever
+    sends fewer elements (`megatron_mea.parallel.exchange`). All three compute the same model."""
 
     kha_variant: Optional[Literal["linear", "mlp"]] = None
     """KHA: `linear` (a shared `hn x hn` matrix per target) or `mlp` (gated MLP on V only).
@@ -176,11 +179,6 @@ class MEATransformerConfig(TransformerConfig):
         if self.mea_tp_exchange not in MEA_TP_EXCHANGES:
             raise ValueError(
                 f"mea_tp_exchange ({self.mea_tp_exchange!r}) must be one of {MEA_TP_EXCHANGES}"
-            )
-        if self.mea_tp_exchange != "activations":
-            raise NotImplementedError(
-                f"mea_tp_exchange={self.mea_tp_exchange!r} is not implemented yet (issue 7, "
-                "'Performance: the weights exchange, auto'); use 'activations'"
             )
 
     def _check_components(self, name, nc):

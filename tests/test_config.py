@@ -95,10 +95,14 @@ def test_features_that_bypass_the_split_are_refused_before_megatron_checks(varia
         make(attention_variant=variant, **{feature: True}, **extra)
 
 
-@pytest.mark.parametrize("exchange", ["weights", "auto"])
-def test_unimplemented_tp_exchanges_name_the_performance_issue(exchange):
-    with pytest.raises(NotImplementedError, match="issue 7"):
-        make(attention_variant="mea", mea_tp_exchange=exchange)
+@pytest.mark.parametrize("exchange", ["activations", "weights", "auto"])
+def test_every_tp_exchange_is_accepted(exchange):
+    assert make(attention_variant="mea", mea_tp_exchange=exchange).mea_tp_exchange == exchange
+
+
+def test_unknown_tp_exchange_names_the_field():
+    with pytest.raises(ValueError, match="mea_tp_exchange"):
+        make(attention_variant="mea", mea_tp_exchange="gather")
 
 
 def test_per_layer_components_checkpoint_per_layer():

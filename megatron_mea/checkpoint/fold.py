@@ -7,18 +7,7 @@ the same function. Weights use torch's `[out, in]` convention, per head: `[heads
 
 import torch
 
-
-def fold_head_mix(component: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
-    """Composite projection rows from component rows: `W_h = sum_j A[j, h] W_j`.
-
-    Args:
-        component: `[nc, hn, ...]` K (or V) weight or bias per component head.
-        mix: `A [nc, ng]`.
-
-    Returns:
-        `[ng, hn, ...]`.
-    """
-    return torch.einsum("jd...,jh->hd...", component, mix)
+from megatron_mea.ops.functional import fold_head_mix  # noqa: F401  (re-exported)
 
 
 def fold_kha_linear(heads: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from megatron.core.utils import deprecate_inference_params, divide, get_pg_rank
 from megatron_mea.layers.head_mix import HeadMix
 from megatron_mea.layers.head_norm import HeadRMSNorm
 from megatron_mea.layers.knock import KnockingHeads
-from megatron_mea.parallel import gather_features
+from megatron_mea.parallel import ExchangeShape, choose_exchange, gather_features
 
 
 def split_qkv(mixed_qkv: torch.Tensor, num_groups: int, num_heads: int, head_dim: int):
@@ -96,6 +96,14 @@ class MEASelfAttention(_SplitSelfAttention):
     With fewer components than TP ranks (`nc < t`, e.g. 4 KV heads rebuilt from 2 at TP=4) the
     projection output is all-gathered, so every rank holds (and caches) all `nc` components,
     keeps its own `np/t` query heads and expands to its own composite heads.
+
+    TP exchange (`mea_tp_exchange`, SPEC section 3), for training forwards; evaluation and
+    decoding always take the component path, so the KV cache keeps its `nc/ng` size:
+    - `activations`: project the components, mix the activations (`head_mix.forward`);
+    - `weights`: fold HLC into the K/V rows (`head_mix.fold`) and run `linear_qkv` with the folded
+      weight, which yields composite heads directly; with `enable_fold_cache` the fold is built
+      once per optimizer step;
+    - `auto`: per micro-batch, whichever sends fewer elements (`parallel/exchange.py`).
     """
 
     def __init__(
@@ -136,6 +144,26 @@ class MEASelfAttention(_SplitSelfAttention):
                 pg_collection=self.pg_collection,
             )
         self.head_mix = HeadMix(config, self.tp_group, self.num_components)
+        self.exchange = config.mea_tp_exchange
+        bias = self._qkv_bias()
+        self.exchange_shape = ExchangeShape(
+            num_heads=config.num_attention_heads,
+            num_groups=config.num_query_groups,
+            num_components=self.num_components,
+            head_dim=self.hidden_size_per_attention_head,
+            hidden_size=config.hidden_size,
+            tp_size=self.world_size,
+            bias=bias is not None,
+        )
+        self.fold_cache = None  # a FoldCache, set by enable_fold_cache
+        self._kv_composite = False  # this forward's K/V came out of a folded projection
+        if self.exchange != "activations":
+            # The folded weight is a computed tensor without `main_grad`: its weight gradient
+            # must come back through autograd (and the fold) rather than being fused into the
+            # parameter's main_grad by the GEMM. DDP's hooks add the resulting `.grad` as usual.
+            self.linear_qkv.gradient_accumulation_fusion = False  # Megatron's local linear
+            if hasattr(self.linear_qkv, "fuse_wgrad_accumulation"):
+                self.linear_qkv.fuse_wgrad_accumulation = False  # Transformer Engine
         self.head_norm = HeadRMSNorm(config, self.tp_group) if config.mea_head_norm else None
         if self.head_norm is not None:
             # Attention.forward runs core attention (static, dynamic, checkpointed or packed
@@ -144,7 +172,52 @@ class MEASelfAttention(_SplitSelfAttention):
             # without copying Megatron's 300-line forward.
             self.linear_proj.register_forward_pre_hook(self._normalize_heads)
 
+    def _qkv_bias(self):
+        bias = getattr(self.linear_qkv, "bias", None)
+        return bias if isinstance(bias, torch.Tensor) and bias.numel() else None
+
+    def _use_folded_weight(self, hidden_states) -> bool:
+        if self.exchange == "activations" or not self.training:
+            return False
+        if self.exchange == "weights" or (self.fold_cache is not None and self.fold_cache.live):
+            return True
+        tokens = hidden_states.shape[0] * hidden_states.shape[1]
+        if self.config.sequence_parallel:
+            tokens *= self.world_size  # linear_qkv gathers the sequence
+        return choose_exchange(self.exchange_shape, tokens) == "weights"
+
+    def _project_folded(self, hidden_states):
+        """`weights` exchange: `linear_qkv` (Megatron's module: SP gather, TE, FP8 and all) run
+        with the folded weight -> query `[s, b, np_loc, hn]`, composite K/V `[s, b, ng_loc, hn]`."""
+        weight, bias = self.linear_qkv.weight, self._qkv_bias()
+
+        def fold():
+            return self.head_mix.fold(weight, bias, self.config.num_attention_heads)
+
+        if self.fold_cache is not None and torch.is_grad_enabled():
+            params = [weight, self.head_mix.key_weight, self.head_mix.value_weight]
+            if bias is not None:
+                params.append(bias)
+            folded_weight, folded_bias = self.fold_cache.get(fold, params)
+        else:
+            folded_weight, folded_bias = fold()
+        tensors = {"weight": folded_weight}
+        if folded_bias is not None:
+            tensors["bias"] = folded_bias
+        mixed_qkv, _ = torch.func.functional_call(self.linear_qkv, tensors, (hidden_states,))
+        return split_qkv(
+            mixed_qkv,
+            self.config.num_query_groups // self.world_size,
+            self.num_attention_heads_per_partition,
+            self.hidden_size_per_attention_head,
+        )
+
     def _project_and_split(self, hidden_states, key_value_states):
+        self._kv_composite = self._use_folded_weight(hidden_states)
+        if self._kv_composite:
+            if key_value_states is not None:
+                raise ValueError("the MEA / KHA variants are self-attention only")
+            return self._project_folded(hidden_states)
         if not self.components_duplicated:
             return super()._project_and_split(hidden_states, key_value_states)
         if key_value_states is not None:
@@ -170,7 +243,8 @@ class MEASelfAttention(_SplitSelfAttention):
         self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
     ):
         """`[s, b, h]` -> query `[s, b, np_loc, hn]` (q-normed), component key and value
-        `[s, b, nc_loc, hn]` (HLC and the k norm come after the KV cache)."""
+        `[s, b, nc_loc, hn]` (HLC and the k norm come after the KV cache), or composite ones
+        `[s, b, ng_loc, hn]` from a folded projection (then only the k norm follows)."""
         query, key, value = self._project_and_split(hidden_states, key_value_states)
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
@@ -216,7 +290,8 @@ class MEASelfAttention(_SplitSelfAttention):
                 sequence_len_offset,
             )
         )
-        key, value = self.head_mix(key, value)
+        if not self._kv_composite:
+            key, value = self.head_mix(key, value)
         if self.k_layernorm is not None:
             key = self.k_layernorm(key)
         return query, key, value, rotary_pos_emb, attn_mask_type, block_table

@@ -7,8 +7,8 @@ Shape legend: `s` sequence, `b` batch, `nc` component heads, `ng` composite head
 import torch
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
-from megatron_mea.ops import head_mix, mix_init
-from megatron_mea.parallel import heads_to_tokens, tokens_to_heads, tp_replicated
+from megatron_mea.ops import fold_head_mix, head_mix, mix_init
+from megatron_mea.parallel import gather_rows, heads_to_tokens, tokens_to_heads, tp_replicated
 
 
 class HeadMix(torch.nn.Module):
@@ -23,6 +23,10 @@ class HeadMix(torch.nn.Module):
     all-to-all (K and V together), mixes with the full matrices, and trades back. With fewer
     components than ranks (`nc < t`) every rank holds all of them (duplicated) and expands to its
     own `ng/t` composite heads with its columns of the matrices; no exchange.
+
+    The `weights` exchange (`fold`) mixes the projection rows instead of the activations: gather
+    the K/V rows of `linear_qkv` over TP, fold them with this rank's columns of the matrices, and
+    project with the resulting plain-GQA weight; the gather's backward reduce-scatters.
 
     Args:
         config: an `MEATransformerConfig` with attention_variant="mea".
@@ -48,7 +52,8 @@ class HeadMix(torch.nn.Module):
         world = get_pg_size(tp_group)
         self.duplicated = self.num_components < world
         local = divide(self.num_groups, world)
-        self.local_groups = slice(get_pg_rank(tp_group) * local, (get_pg_rank(tp_group) + 1) * local)
+        rank = get_pg_rank(tp_group)
+        self.local_groups = slice(rank * local, (rank + 1) * local)
 
     def forward(self, key: torch.Tensor, value: torch.Tensor):
         """Mix component heads into composite heads.
@@ -80,3 +85,53 @@ class HeadMix(torch.nn.Module):
         kv = tokens_to_heads(kv.transpose(1, 2).reshape(shard, -1), self.tp_group, s * b)
         kv = kv.view(s, b, -1, 2, self.head_dim)  # [s, b, ng_loc, 2, hn]
         return kv[..., 0, :], kv[..., 1, :]
+
+    def fold(self, weight: torch.Tensor, bias, num_heads: int):
+        """The `weights` exchange: this rank's `linear_qkv` weight with HLC folded in.
+
+        Args:
+            weight: this rank's component `linear_qkv.weight`: `[nc_loc * (np/nc + 2) * hn, h]`,
+                rows interleaved per component group as `q.. k v` (all `nc` groups spread
+                evenly over the ranks by rows when duplicated).
+            bias: its bias `[rows]`, or None.
+            num_heads: np, the global query head count.
+
+        Returns:
+            weight `[ng_loc * (np/ng + 2) * hn, h]` and bias (or None), laid out as Megatron's
+            plain GQA `linear_qkv` with `ng` groups, so the usual split yields composite K/V.
+        """
+        hn, nc, ng = self.head_dim, self.num_components, self.num_groups
+        rows = torch.cat([weight, bias.unsqueeze(1)], dim=1) if bias is not None else weight
+        columns = rows.shape[1]
+        heads_per_component = num_heads // nc
+        if self.duplicated:
+            # Rows are split evenly, not by group: gather all of them, keep our query heads.
+            rows = gather_rows(rows, self.tp_group).view(nc, heads_per_component + 2, hn, columns)
+            local_heads = num_heads // get_pg_size(self.tp_group)
+            query = rows[:, :heads_per_component].reshape(num_heads, hn, columns)
+            start = get_pg_rank(self.tp_group) * local_heads
+            query = query[start : start + local_heads]
+            kv = rows[:, heads_per_component:]
+        else:
+            rows = rows.view(-1, heads_per_component + 2, hn, columns)
+            query = rows[:, :heads_per_component]
+            # K and V rows of every rank in one collective: [nc, 2, hn, columns].
+            kv = gather_rows(rows[:, heads_per_component:], self.tp_group)
+        key_weight = tp_replicated(self.key_weight, self.tp_group)[:, self.local_groups]
+        value_weight = tp_replicated(self.value_weight, self.tp_group)[:, self.local_groups]
+        # Fold in fp32 (a bf16 fold would round every composite row once more than mixing does).
+        wide = torch.promote_types(weight.dtype, torch.float32)
+        key = fold_head_mix(kv[:, 0].to(wide), key_weight.to(wide))  # [ng_loc, hn, columns]
+        value = fold_head_mix(kv[:, 1].to(wide), value_weight.to(wide))
+        groups = key.shape[0]
+        folded = torch.cat(
+            [
+                query.reshape(groups, -1, columns),  # np/ng query heads per composite group
+                key.to(weight.dtype),
+                value.to(weight.dtype),
+            ],
+            dim=1,
+        ).view(-1, columns)
+        if bias is None:
+            return folded, None
+        return folded[:, :-1], folded[:, -1]

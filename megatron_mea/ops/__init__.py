@@ -1,5 +1,12 @@
 """Single-device math of MEA and KHA (no megatron imports); see README.md for the equations."""
 
-from megatron_mea.ops.functional import head_mix, head_rms_norm, kha_linear, kha_mlp, mix_init
+from megatron_mea.ops.functional import (
+    fold_head_mix,
+    head_mix,
+    head_rms_norm,
+    kha_linear,
+    kha_mlp,
+    mix_init,
+)
 
-__all__ = ["head_mix", "head_rms_norm", "kha_linear", "kha_mlp", "mix_init"]
+__all__ = ["fold_head_mix", "head_mix", "head_rms_norm", "kha_linear", "kha_mlp", "mix_init"]

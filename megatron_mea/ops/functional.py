@@ -29,6 +29,22 @@ def head_mix(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...jd,...jh->...hd", x, weight)
 
 
+def fold_head_mix(component: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
+    """HLC folded into projection rows: `W_h = sum_j A[j, h] W_j` (torch's `[out, in]` rows).
+
+    Projecting with the folded rows equals projecting with the component rows and then mixing
+    (`head_mix`), since both are linear; the `weights` TP exchange and the converters use this.
+
+    Args:
+        component: `[nc, hn, ...]` K (or V) weight (or bias) rows per component head.
+        mix: `A [nc, ng]`.
+
+    Returns:
+        `[ng, hn, ...]`.
+    """
+    return torch.einsum("jd...,jh->hd...", component, mix)
+
+
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Head-level group norm: RMS-normalise every head over its own `hn` channels, then scale.
 

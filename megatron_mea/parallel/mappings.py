@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     all_to_all,
     copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
 )
 
 
@@ -58,6 +59,15 @@ def gather_features(x: torch.Tensor, group) -> torch.Tensor:
     outputs) each shard's gradient is the sum of all the ranks' uses.
     """
     return all_gather_last_dim_from_tensor_parallel_region(x, group=group)
+
+
+def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """All-gather the first dim in rank order: `[r, ...]` -> `[t*r, ...]`.
+
+    Backward reduce-scatters (sums every rank's gradient for each shard, then keeps one's own):
+    the `weights` exchange gathers projection rows this way and each rank folds all of them.
+    """
+    return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
 
 
 def tp_replicated(param: torch.Tensor, group) -> torch.Tensor:

@@ -20,6 +20,7 @@ from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 from megatron_mea.cpu import apply_cpu_patches, cuda_device_to_cpu, init_cpu_rng_tracker
+from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.training import checkpointing
 from megatron_mea.training.arguments import PretrainArgs, save_config
 from megatron_mea.training.batches import MicroBatches
@@ -139,7 +140,10 @@ class Trainer:
             self.optimizer = build_optimizer(args, [self.model])
         self.scheduler = build_scheduler(args, self.optimizer)
         self.config.no_sync_func = self.model.no_sync
-        self.config.finalize_model_grads_func = finalize_model_grads
+        # The `weights` exchange folds once per step; the flush sends the micro-batches'
+        # gradients through the fold before Megatron reduces them.
+        enable_fold_cache(self.model.module)
+        self.config.finalize_model_grads_func = with_fold_flush(finalize_model_grads)
         self.config.grad_scale_func = self.optimizer.scale_loss
 
         self.iteration, consumed = 0, 0

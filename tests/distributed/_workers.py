@@ -7,6 +7,7 @@ written into a model-shaped checkpoint and read back at TP=1, so each gradient i
 full tensor against the reference.
 """
 
+import contextlib
 import os
 
 import torch
@@ -17,6 +18,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
 from megatron_mea.cpu import cuda_device_to_cpu
+from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from tests._models import (
     batch,
     build_gpt,
@@ -41,8 +43,35 @@ def _my_sequences(num_sequences):
     return slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
-def equivalence(rank, world_size, variants, tp, ep, sp, workdir):
-    """For each (name, fields): reference vs parallel losses and max |grad diff| per parameter."""
+def _count_folds(model):
+    """Count `HeadMix.fold` calls (how often the `weights` exchange gathered K/V rows)."""
+    calls = []
+    for name, module in model.named_modules():
+        if hasattr(module, "fold"):
+            original = module.fold
+            module.fold = lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k)
+    return calls
+
+
+def _backward_in_micro_batches(model, tokens, labels, micro_batches):
+    """Per-sequence losses of the whole slice; gradients of their mean, accumulated over
+    `micro_batches` forward/backward passes as Megatron's schedule does (no_sync but the last)."""
+    losses = []
+    chunks = list(zip(tokens.chunk(micro_batches), labels.chunk(micro_batches)))
+    for index, (chunk_tokens, chunk_labels) in enumerate(chunks):
+        last = index == len(chunks) - 1
+        with (contextlib.nullcontext() if last else model.no_sync()):
+            chunk_losses = forward_loss(model, chunk_tokens, chunk_labels)
+            (chunk_losses.sum() / tokens.shape[0]).backward()
+        losses.append(chunk_losses.detach())
+    return torch.cat(losses)
+
+
+def equivalence(rank, world_size, variants, tp, ep, sp, workdir, micro_batches=1, fold_cache=False):
+    """For each (name, fields): reference vs parallel losses and max |grad diff| per parameter.
+
+    The parallel side runs `micro_batches` micro-batches; with `fold_cache` the MEA layers fold
+    their weights once per step and `finalize_model_grads` is wrapped to flush the fold."""
     results = {}
     tokens, labels = batch(num_sequences=2)
     for name, fields in variants:
@@ -60,10 +89,14 @@ def equivalence(rank, world_size, variants, tp, ep, sp, workdir):
         parallel = build_gpt(config)
         load_dist(parallel, os.path.join(root, "weights"))
         model = _ddp(config, parallel)
+        folds = _count_folds(parallel)
+        finalize = finalize_model_grads
+        if fold_cache:
+            enable_fold_cache(parallel)
+            finalize = with_fold_flush(finalize_model_grads)
         mine = _my_sequences(tokens.shape[0])
-        losses = forward_loss(model, tokens[mine], labels[mine])
-        losses.mean().backward()
-        finalize_model_grads([model])
+        losses = _backward_in_micro_batches(model, tokens[mine], labels[mine], micro_batches)
+        finalize([model])
         with torch.no_grad():
             for param in parallel.parameters():
                 param.copy_(param.main_grad)
@@ -82,6 +115,7 @@ def equivalence(rank, world_size, variants, tp, ep, sp, workdir):
             ref_losses=ref_losses.detach()[mine],
             grad_diff=grad_diff,
             grad_scale=grad_scale,
+            folds=len(folds),
         )
     return results
 

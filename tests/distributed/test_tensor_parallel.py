@@ -17,6 +17,19 @@ VARIANTS = [
 ]
 
 
+# The `weights` exchange (HLC folded into linear_qkv): plain, virtual heads with a qkv bias,
+# duplicated components (nc < TP), and `auto` (which picks `activations` at these tiny sizes).
+WEIGHTS_VARIANTS = [
+    ("mea-weights", dict(attention_variant="mea", mea_mix_init="normal", mea_tp_exchange="weights")),
+    ("mea-weights-virtual-bias", dict(attention_variant="mea", mea_num_kv_components=2,
+                                      mea_mix_init="normal", mea_tp_exchange="weights",
+                                      add_qkv_bias=True)),
+    ("mea-weights-duplicated", dict(attention_variant="mea", mea_num_kv_components=1,
+                                    mea_mix_init="normal", mea_tp_exchange="weights")),
+    ("mea-auto", dict(attention_variant="mea", mea_mix_init="normal", mea_tp_exchange="auto")),
+]
+
+
 def _assert_equivalent(results):
     for rank_result in results:
         for name, r in rank_result.items():
@@ -40,15 +53,29 @@ def test_tp2_sp_equals_tp1_in_loss_and_every_gradient(tmp_path):
     _assert_equivalent(results)
 
 
+@pytest.mark.parametrize("fold_cache", [False, True], ids=["fold-per-micro-batch", "fold-cache"])
+def test_weights_exchange_tp2_sp_two_micro_batches_equals_tp1(tmp_path, fold_cache):
+    results = run_distributed(
+        _workers.equivalence, 2, WEIGHTS_VARIANTS, 2, 1, True, str(tmp_path), 2, fold_cache
+    )
+    _assert_equivalent(results)
+    folds = {name: r["folds"] for name, r in results[0].items()}
+    # Two MEA layers x two micro-batches, or once per layer per step with the cache; `auto`
+    # chooses the activations at these sizes and never folds.
+    per_layer = 1 if fold_cache else 2
+    expected = {name: 2 * per_layer for name, _ in WEIGHTS_VARIANTS} | {"mea-auto": 0}
+    assert folds == expected
+
+
 def test_tp2_sp_ep2_equals_tp1_in_loss_and_every_gradient(tmp_path):
-    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[2], VARIANTS[4]]
+    variants = [VARIANTS[0], VARIANTS[1], VARIANTS[2], VARIANTS[4], WEIGHTS_VARIANTS[1]]
     results = run_distributed(_workers.equivalence, 4, variants, 2, 2, True, str(tmp_path))
     _assert_equivalent(results)
 
 
 @pytest.mark.parametrize("sp,moe", [(True, True), (False, False)], ids=["sp-moe", "no-sp-dense"])
 def test_replicated_parameters_stay_bit_identical_across_tp_ranks(sp, moe):
-    variants = [VARIANTS[0], VARIANTS[2], VARIANTS[3], VARIANTS[4]]
+    variants = [VARIANTS[0], VARIANTS[2], VARIANTS[3], VARIANTS[4], WEIGHTS_VARIANTS[0]]
     results = run_distributed(_workers.replicas_after_steps, 2, variants, sp, moe, 3)
     for name, r in results[0].items():
         assert r["identical"], name
