@@ -77,12 +77,18 @@ class HeadMix(torch.nn.Module):
         # K and V travel in one collective, interleaved per head ([.., head, kv, hn]) so that the
         # returned key/value views keep (b, heads) mergeable without a copy.
         s, b = key.shape[:2]
+        world = get_pg_size(self.tp_group)
         kv = torch.stack([key, value], dim=-2).view(s * b, -1)  # [N, nc_loc*2*hn]
-        kv = heads_to_tokens(kv, self.tp_group)  # [n_r, nc*2*hn]
-        shard = kv.shape[0]
-        kv = kv.view(shard, self.num_components, 2, self.head_dim).transpose(1, 2)
-        kv = head_mix(kv, torch.stack([key_weight, value_weight]))  # [n_r, 2, ng, hn]
-        kv = tokens_to_heads(kv.transpose(1, 2).reshape(shard, -1), self.tp_group, s * b)
+        kv = heads_to_tokens(kv, self.tp_group)  # [t_src, n_r, nc_loc*2*hn]
+        shard = kv.shape[1]
+        kv = kv.view(world, shard, -1, 2, self.head_dim)
+        # HLC (ops.head_mix) with the component axis split as (source rank, local component) and
+        # the composite axis as (destination rank, local composite): the einsum reads the
+        # received buffer and writes the send buffer, with no permute materialised around it.
+        mix = torch.stack([key_weight, value_weight])  # [2, nc, ng]
+        mix = mix.view(2, world, -1, world, self.num_groups // world)
+        kv = torch.einsum("rnjkd,krjeh->enhkd", kv, mix)  # [t_dst, n_r, ng_loc, 2, hn]
+        kv = tokens_to_heads(kv.contiguous().view(world, shard, -1), self.tp_group, s * b)
         kv = kv.view(s, b, -1, 2, self.head_dim)  # [s, b, ng_loc, 2, hn]
         return kv[..., 0, :], kv[..., 1, :]
 

@@ -9,7 +9,7 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import divide, get_pg_size
 
-from megatron_mea.ops import head_rms_norm
+from megatron_mea.ops.fused import head_rms_norm_fused
 
 
 class HeadRMSNorm(MegatronModule):
@@ -41,7 +41,7 @@ class HeadRMSNorm(MegatronModule):
         """Normalise `x [s, b, np_loc*hn]` (or `[t, 1, np_loc*hn]` packed) head by head."""
         heads = x.reshape(*x.shape[:-1], self.num_heads, self.head_dim)
         weight = self.weight.view(self.num_heads, self.head_dim)
-        return head_rms_norm(heads, weight, self.eps).reshape(x.shape)
+        return head_rms_norm_fused(heads, weight, self.eps).reshape(x.shape)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """Declare `weight` as sharded along axis 0 over TP (a replicated entry would silently

@@ -26,29 +26,25 @@ def token_split_sizes(num_tokens: int, world_size: int) -> List[int]:
 
 
 def heads_to_tokens(x: torch.Tensor, group) -> torch.Tensor:
-    """Trade the head shard for a token shard: `[N, f]` -> `[n_r, t*f]`.
+    """Trade the head shard for a token shard: `[N, f]` -> `[t, n_r, f]`.
 
-    Rank r ends with its token shard of every rank's features, in global head order (rank-major,
-    as Megatron shards heads contiguously). Backward is the inverse exchange.
+    Rank r ends with its token shard of every rank's features, source-rank-major (index 0 is the
+    rank that held those heads: Megatron shards heads contiguously, so (source rank, local head)
+    is the global head). No copy beyond the collective. Backward is the inverse exchange.
     """
     world, rank = group.size(), group.rank()
     num_tokens, features = x.shape
     sizes = token_split_sizes(num_tokens, world)
-    received = all_to_all(group, x, [sizes[rank]] * world, sizes)
-    # received: [t * n_r, f], ordered (source rank, token).
-    received = received.view(world, sizes[rank], features)
-    return received.transpose(0, 1).reshape(sizes[rank], world * features)
+    received = all_to_all(group, x, [sizes[rank]] * world, sizes)  # [t * n_r, f]
+    return received.view(world, sizes[rank], features)
 
 
 def tokens_to_heads(y: torch.Tensor, group, num_tokens: int) -> torch.Tensor:
-    """Inverse of `heads_to_tokens`: `[n_r, t*f]` -> `[N, f]` (N = `num_tokens`)."""
-    world = group.size()
-    shard_tokens, all_features = y.shape
-    features = all_features // world
+    """Inverse of `heads_to_tokens`: `[t, n_r, f]` (destination-rank-major: block d holds rank
+    d's heads for my tokens) -> `[N, f]` (N = `num_tokens`)."""
+    world, shard_tokens, features = y.shape
     sizes = token_split_sizes(num_tokens, world)
-    # One contiguous block per destination rank: that rank's heads for my tokens.
-    send = y.reshape(shard_tokens, world, features).transpose(0, 1)
-    send = send.reshape(world * shard_tokens, features)
+    send = y.reshape(world * shard_tokens, features)  # a view when y is contiguous
     return all_to_all(group, send, sizes, [shard_tokens] * world)
 
 

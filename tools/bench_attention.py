@@ -1,0 +1,471 @@
+"""Benchmark: the cost of MEA and KHA against the baseline, per layer and per model step.
+
+1. Time: forward + backward of one transformer layer, and one step of a small full GPT (micro-
+   batches, fold flush, Adam), for every variant in one process. Rounds run the variants in a
+   shuffled order; the ratio to the baseline is the median over rounds of the paired ratio
+   (same round, so the machine's drift cancels). Not a test: numbers depend on the machine.
+2. Bytes: every collective of one layer's forward + backward at TP=2 and TP=4 (sequence parallel,
+   real processes: gloo on CPU, NCCL on GPU), counted by wrapping `torch.distributed`
+   (`megatron_mea.parallel.comm_counter`), and the extra over the baseline checked against the
+   formulas of SPEC section 3 (`megatron_mea.parallel.exchange`).
+
+    python tools/bench_attention.py                  # CPU: hidden 1024, 16/4 heads, seq 2048
+    python tools/bench_attention.py --device cuda --bf16 --hidden-size 4096 \\
+        --num-attention-heads 32 --num-query-groups 8 --seq-length 4096   # one GPU (bench_gpu.sh)
+
+Prints a table; `--json` writes every number. `--profile` prints torch.profiler's top ops for
+one layer step of each variant.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+VARIANTS = {
+    "baseline": dict(attention_variant="standard"),
+    "mea-activations": dict(attention_variant="mea", mea_mix_init="normal",
+                            mea_tp_exchange="activations"),
+    "mea-weights": dict(attention_variant="mea", mea_mix_init="normal", mea_tp_exchange="weights"),
+    "kha-linear": dict(attention_variant="kha", kha_variant="linear"),
+    "kha-mlp": dict(attention_variant="kha", kha_variant="mlp"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
+    parser.add_argument("--num-attention-heads", type=int, default=16)
+    parser.add_argument("--num-query-groups", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds of every variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
+    parser.add_argument("--model-layers", type=int, default=2,
+                        help="layers of the full-model step (0 skips it)")
+    parser.add_argument("--model-micro-batches", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=8192)
+    parser.add_argument("--tp-sizes", type=int, nargs="*", default=[2, 4],
+                        help="TP sizes whose collectives are counted (none: skip)")
+    parser.add_argument("--bytes-seq-length", type=int, default=None,
+                        help="sequence length of the byte count (default --seq-length)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 params and activations")
+    parser.add_argument("--transformer-engine", action="store_true",
+                        help="TE spec (TEDotProductAttention etc.); needs megatron_mea[te]")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", default=None, help="write all results to this file")
+    parser.add_argument("--seed", type=int, default=1234)
+    return parser
+
+
+def quiet_warnings() -> None:
+    """Megatron's SP advice about CUDA_DEVICE_MAX_CONNECTIONS and torch's renamed collectives
+    repeat on every call and would bury the table."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+
+# ---- models -------------------------------------------------------------------------------------
+
+
+def make_config(args, variant, tp=1, num_layers=1):
+    import torch
+
+    from megatron_mea import MEATransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return MEATransformerConfig(
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=args.device == "cpu",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        **VARIANTS[variant],
+    )
+
+
+def build_layer(args, variant, tp=1):
+    import torch
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_mea import get_gpt_layer_spec
+
+    torch.manual_seed(args.seed)
+    config = make_config(args, variant, tp)
+    spec = get_gpt_layer_spec(config, use_transformer_engine=args.transformer_engine)
+    return build_module(spec, config=config, layer_number=1).to(args.device)
+
+
+def build_model(args, variant):
+    import torch
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_mea import get_gpt_decoder_block_spec
+    from megatron_mea.layers import enable_fold_cache
+
+    torch.manual_seed(args.seed)
+    config = make_config(args, variant, num_layers=args.model_layers)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_engine)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
+                     max_sequence_length=args.seq_length, position_embedding_type="rope")
+    model = model.to(args.device)
+    enable_fold_cache(model)
+    return model
+
+
+class LayerStep:
+    """Forward + backward of one layer on `[s/t, b, h]` (the SP shard) with RoPE and a causal
+    mask."""
+
+    def __init__(self, args, variant, tp=1):
+        import torch
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        self.layer = build_layer(args, variant, tp)
+        config = self.layer.config
+        seq = args.seq_length
+        dtype = config.params_dtype
+        gen = torch.Generator().manual_seed(args.seed)
+        shape = (seq // tp, args.micro_batch_size, args.hidden_size)
+        self.x = torch.randn(shape, generator=gen).to(args.device, dtype).requires_grad_()
+        self.grad = torch.randn(shape, generator=gen).to(args.device, dtype)
+        rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)
+        self.rotary = rope(seq).to(args.device)
+
+    def __call__(self):
+        out, _ = self.layer(self.x, attention_mask=None, rotary_pos_emb=self.rotary)
+        out.backward(self.grad)
+        self.x.grad = None
+        self.layer.zero_grad(set_to_none=True)
+
+
+class ModelStep:
+    """One optimizer step of a small GPT: micro-batches, the fold flush, Adam."""
+
+    def __init__(self, args, variant):
+        import torch
+
+        from megatron_mea.layers import flush_fold_caches
+
+        self.model = build_model(args, variant)
+        self.flush = flush_fold_caches
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
+        gen = torch.Generator().manual_seed(args.seed)
+        shape = (args.model_micro_batches, args.micro_batch_size, args.seq_length + 1)
+        tokens = torch.randint(0, args.vocab_size, shape, generator=gen).to(args.device)
+        self.inputs, self.labels = tokens[..., :-1], tokens[..., 1:]
+        self.positions = torch.arange(args.seq_length, device=args.device).expand_as(self.inputs[0])
+
+    def __call__(self):
+        for tokens, labels in zip(self.inputs, self.labels):
+            loss = self.model(tokens, self.positions, attention_mask=None, labels=labels)
+            loss.float().mean().backward()
+        self.flush([self.model])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+# ---- timing -------------------------------------------------------------------------------------
+
+
+def _sync(device):
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_interleaved(steps: dict, args) -> dict:
+    """Seconds of every round per variant; the variants' order is shuffled every round."""
+    from tqdm import tqdm
+
+    order = list(steps)
+    rng = random.Random(args.seed)
+    times = {name: [] for name in steps}
+    for round_index in tqdm(range(args.warmup + args.repeats), desc="rounds", leave=False):
+        rng.shuffle(order)
+        for name in order:
+            _sync(args.device)
+            start = time.perf_counter()
+            steps[name]()
+            _sync(args.device)
+            if round_index >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def ratios(times: dict) -> dict:
+    """Median seconds and the median over rounds of the paired ratio to the baseline."""
+    base = times.get("baseline")
+    result = {}
+    for name, seconds in times.items():
+        row = {"median_s": statistics.median(seconds)}
+        if base is not None:
+            row["ratio"] = statistics.median(t / b for t, b in zip(seconds, base))
+        result[name] = row
+    return result
+
+
+def layer_flops(args) -> float:
+    """Model FLOPs of one baseline layer forward + backward (3x forward; causal attention
+    counted as half of the square, as a causal kernel computes it)."""
+    h, s, b = args.hidden_size, args.seq_length, args.micro_batch_size
+    hn = h // args.num_attention_heads
+    qkv = 2 * h * (args.num_attention_heads + 2 * args.num_query_groups) * hn
+    attention = 2 * 2 * s * args.num_attention_heads * hn / 2
+    proj = 2 * args.num_attention_heads * hn * h
+    mlp = 2 * 2 * h * (args.ffn_hidden_size or 4 * h)
+    return 3 * s * b * (qkv + attention + proj + mlp)
+
+
+def profile(steps: dict, args) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+    for name, step in steps.items():
+        with torch_profile(activities=activities) as prof:
+            step()
+        print(f"\n--- profile: {name} (one layer forward + backward) ---")
+        print(prof.key_averages().table(sort_by=sort, row_limit=15))
+
+
+# ---- bytes at TP > 1 ----------------------------------------------------------------------------
+
+
+def expected_extra_bytes(args, variant, layer, tp: int) -> int:
+    """SPEC section 3: the exchange of MEA's K/V plus the SUM all-reduce of every TP-replicated
+    plugin matrix (HLC's `A`, KHA's `T`); the head norm is sharded and sends nothing."""
+    from megatron_mea.parallel import (
+        ExchangeShape,
+        activation_exchange_elements,
+        weight_exchange_elements,
+    )
+    from megatron_mea.parallel.comm_counter import ring_all_reduce_bytes
+
+    replicated = sum(
+        ring_all_reduce_bytes(p.numel() * p.element_size(), tp)
+        for n, p in layer.named_parameters()
+        if "head_mix." in n or "knock." in n
+    )
+    if not variant.startswith("mea"):
+        return replicated
+    attention = layer.self_attention
+    shape = ExchangeShape(
+        num_heads=args.num_attention_heads, num_groups=args.num_query_groups,
+        num_components=attention.num_components, head_dim=attention.hidden_size_per_attention_head,
+        hidden_size=args.hidden_size, tp_size=tp,
+    )
+    element = attention.linear_qkv.weight.element_size()
+    if variant == "mea-weights":
+        return replicated + weight_exchange_elements(shape) * element
+    tokens = (args.bytes_seq_length or args.seq_length) * args.micro_batch_size
+    return replicated + activation_exchange_elements(shape, tokens) * element
+
+
+def count_bytes_worker(rank, world_size, port, args, out_dir):
+    """One rank of the byte count: every variant's layer at TP=world_size with SP, fp32 on CPU."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_mea.cpu import apply_cpu_patches, init_cpu_rng_tracker
+    from megatron_mea.parallel.comm_counter import CollectiveCounter
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    quiet_warnings()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    apply_cpu_patches()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    init_cpu_rng_tracker(args.seed)
+    args = argparse.Namespace(**{**vars(args), "device": "cpu", "bf16": False,
+                                 "transformer_engine": False,
+                                 "seq_length": args.bytes_seq_length or args.seq_length})
+    results = {}
+    for variant in args.variants:
+        step = LayerStep(args, variant, tp=world_size)
+        step()  # warm-up (first-call allocations, lazily built buffers)
+        with CollectiveCounter() as counter:
+            step()
+        results[variant] = {
+            "ops": counter.summary(),
+            "sent_bytes": counter.sent_bytes,
+            "expected_extra_bytes": expected_extra_bytes(args, variant, step.layer, world_size),
+        }
+    if rank == 0:
+        with open(os.path.join(out_dir, "bytes.json"), "w", encoding="utf-8") as handle:
+            json.dump(results, handle)
+    dist.destroy_process_group()
+
+
+def count_bytes(args, tp: int) -> dict:
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(count_bytes_worker, args=(tp, port, args, out_dir), nprocs=tp,
+                           start_method="spawn")
+        with open(os.path.join(out_dir, "bytes.json"), encoding="utf-8") as handle:
+            results = json.load(handle)
+    base = results.get("baseline", {}).get("sent_bytes")
+    for row in results.values():
+        if base is not None:
+            row["extra_bytes"] = row["sent_bytes"] - base
+            row["matches_formula"] = row["extra_bytes"] == row["expected_extra_bytes"]
+    return results
+
+
+# ---- report -------------------------------------------------------------------------------------
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def report(result: dict) -> str:
+    lines = []
+    shape = result["shape"]
+    lines.append(
+        f"shape: hidden {shape['hidden_size']}, heads {shape['num_attention_heads']}/"
+        f"{shape['num_query_groups']}, seq {shape['seq_length']}, micro-batch "
+        f"{shape['micro_batch_size']}, {shape['dtype']}, {shape['device']}, "
+        f"{result['rounds']} rounds"
+    )
+    for title, key in (("one layer, forward + backward", "layer"),
+                       ("small GPT step (micro-batches + Adam)", "model_step")):
+        rows = result.get(key)
+        if not rows:
+            continue
+        lines.append(f"\n{title}")
+        header = f"{'variant':<18}{'median ms':>11}{'vs baseline':>13}"
+        if key == "layer":
+            header += f"{'TFLOP/s':>9}"
+        lines.append(header)
+        for name, row in rows.items():
+            line = f"{name:<18}{row['median_s'] * 1e3:>11.1f}{row.get('ratio', float('nan')):>12.3f}x"
+            if key == "layer":
+                line += f"{result['layer_flops'] / row['median_s'] / 1e12:>9.3f}"
+            lines.append(line)
+    for tp, rows in result.get("bytes", {}).items():
+        lines.append(f"\ncollectives of one layer forward + backward, TP={tp} with SP "
+                     "(MiB sent per rank, fp32)")
+        lines.append(f"{'variant':<18}{'total':>9}{'extra':>9}{'formula':>9}  ok  calls by op")
+        for name, row in rows.items():
+            ops = ", ".join(f"{op} {v['calls']}x {_mib(v['sent_bytes'])}"
+                            for op, v in sorted(row["ops"].items()))
+            ok = "yes" if row.get("matches_formula") else "NO"
+            lines.append(
+                f"{name:<18}{_mib(row['sent_bytes']):>9}{_mib(row.get('extra_bytes', 0)):>9}"
+                f"{_mib(row['expected_extra_bytes']):>9}  {ok:<3} {ops}"
+            )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    quiet_warnings()
+    import torch
+
+    from megatron_mea._optional import require
+    from megatron_mea.cpu import apply_cpu_patches, init_cpu_rng_tracker
+    from megatron_mea.parallel.comm_counter import CollectiveCounter  # noqa: F401 (fail early)
+
+    if args.transformer_engine:
+        require("transformer_engine", "--transformer-engine")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device is visible")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if "baseline" not in args.variants:
+        args.variants = ["baseline", *args.variants]
+
+    # Megatron needs a process group and parallel state even at TP=1.
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    apply_cpu_patches()
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    init_cpu_rng_tracker(args.seed)
+
+    result = {
+        "shape": {k: getattr(args, k) for k in ("hidden_size", "num_attention_heads",
+                                               "num_query_groups", "seq_length",
+                                               "micro_batch_size", "device")}
+        | {"dtype": "bf16" if args.bf16 else "fp32"},
+        "rounds": args.repeats,
+        "layer_flops": layer_flops(args),
+    }
+    layer_steps = {name: LayerStep(args, name) for name in args.variants}
+    if args.profile:
+        profile(layer_steps, args)
+    print(f"[bench] timing one layer: {len(layer_steps)} variants x {args.repeats} rounds",
+          flush=True)
+    result["layer"] = ratios(time_interleaved(layer_steps, args))
+    del layer_steps
+    if args.model_layers:
+        print(f"[bench] timing a {args.model_layers}-layer GPT step", flush=True)
+        model_steps = {name: ModelStep(args, name) for name in args.variants}
+        result["model_step"] = ratios(time_interleaved(model_steps, args))
+        del model_steps
+    dist.destroy_process_group()
+    parallel_state.destroy_model_parallel()
+
+    result["bytes"] = {}
+    for tp in args.tp_sizes:
+        print(f"[bench] counting collectives at TP={tp}", flush=True)
+        result["bytes"][tp] = count_bytes(args, tp)
+
+    print("\n" + report(result))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump(result, handle, indent=1)
+        print(f"\n[bench] wrote {args.json}")
+    mismatched = [f"TP={tp} {name}" for tp, rows in result["bytes"].items()
+                  for name, row in rows.items() if not row.get("matches_formula")]
+    if mismatched:
+        print(f"[bench] collective bytes differ from the formulas: {mismatched}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
