@@ -9,20 +9,34 @@ megatron_mea installed:
 
 Everything except the model builder and the extra flags (datasets, forward step, embedding ranks,
 in-process restart) is reused from Megatron-LM's `pretrain_gpt` module.
+
+With `--mea-tp-exchange weights` (or `auto`) this script also turns on the per-step fold cache:
+the MEA layers fold their K/V weights once per optimizer step instead of once per micro-batch.
+The cache needs its gradients flushed before Megatron reduces them, so Megatron-LM's
+`finalize_model_grads` (which `train()` installs by its module-level name) is wrapped here. Other
+entry points (the `patches/` series) fold once per micro-batch, which needs no flush.
 """
 
 import time
 
 _PROGRAM_START_TIME = time.time()
 
-from functools import partial  # noqa: E402
-
 import pretrain_gpt  # noqa: E402  (Megatron-LM checkout root; its __main__ block is guarded)
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import inprocess_restart, pretrain, set_startup_timestamps  # noqa: E402
+from megatron.training import training as megatron_training  # noqa: E402
 from model_provider import model_provider  # noqa: E402
 
 from megatron_mea.integrations.megatron_lm import add_mea_args, mea_gpt_builder  # noqa: E402
+from megatron_mea.layers import enable_fold_cache, with_fold_flush  # noqa: E402
+
+
+def mea_model_provider(*args, **kwargs):
+    """Megatron-LM's `model_provider` with the plugin's builder; MEA layers that fold their
+    weights get the per-step fold cache (flushed by the wrapped `finalize_model_grads`)."""
+    model = model_provider(mea_gpt_builder, *args, **kwargs)
+    enable_fold_cache(model)
+    return model
 
 
 def extra_args_provider(parser):
@@ -36,10 +50,13 @@ def extra_args_provider(parser):
 if __name__ == "__main__":
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     pretrain_gpt.train_valid_test_datasets_provider.is_distributed = True
+    # train() sets config.finalize_model_grads_func = finalize_model_grads (training.py:2565 at
+    # core_v0.16.1); flush the fold caches first, before the gradient reduction.
+    megatron_training.finalize_model_grads = with_fold_flush(megatron_training.finalize_model_grads)
     run, store = inprocess_restart.maybe_wrap_for_inprocess_restart(pretrain)
     run(
         pretrain_gpt.train_valid_test_datasets_provider,
-        partial(model_provider, mea_gpt_builder),
+        mea_model_provider,
         ModelType.encoder_or_decoder,
         pretrain_gpt.forward_step,
         args_defaults={"tokenizer_type": "GPT2BPETokenizer"},
