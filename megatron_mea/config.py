@@ -84,6 +84,8 @@ class MEATransformerConfig(TransformerConfig):
         if self.attention_variant != "standard":
             # Before Megatron's own checks, so the user hears about the variant conflict first.
             self._check_unsupported_features()
+        if self.attention_variant == "mea":
+            self._check_tp_exchange()
         super().__post_init__()
         self._check_head_counts()
         if self.attention_variant == "standard":
@@ -176,10 +178,30 @@ class MEATransformerConfig(TransformerConfig):
                 f"mea_mix_init='identity' needs mea_num_kv_components ({nc}) == num_query_groups "
                 f"({ng}); use 'repeat' or 'normal'"
             )
+
+    def _check_tp_exchange(self):
         if self.mea_tp_exchange not in MEA_TP_EXCHANGES:
             raise ValueError(
                 f"mea_tp_exchange ({self.mea_tp_exchange!r}) must be one of {MEA_TP_EXCHANGES}"
             )
+        if self.mea_tp_exchange == "activations":
+            return
+        # The `weights` exchange hands linear_qkv a computed weight with its own shape. Deferred
+        # weight gradients would land on the parameter's `.grad` later (wrong shape, fold
+        # skipped), and a captured CUDA graph would keep the first step's weight.
+        conflicts = {
+            "delay_wgrad_compute": self.delay_wgrad_compute,
+            "enable_cuda_graph": self.enable_cuda_graph,
+            "external_cuda_graph": self.external_cuda_graph,
+            "cuda_graph_impl": self.cuda_graph_impl != "none",
+        }
+        for name, on in conflicts.items():
+            if on:
+                raise ValueError(
+                    f"mea_tp_exchange={self.mea_tp_exchange!r} cannot be combined with "
+                    f"{name}={getattr(self, name)!r} (the folded linear_qkv weight is rebuilt "
+                    "every step); use mea_tp_exchange='activations'"
+                )
 
     def _check_components(self, name, nc):
         np_, ng, t = self.num_attention_heads, self.num_query_groups, self.tensor_model_parallel_size

@@ -100,6 +100,16 @@ def test_every_tp_exchange_is_accepted(exchange):
     assert make(attention_variant="mea", mea_tp_exchange=exchange).mea_tp_exchange == exchange
 
 
+@pytest.mark.parametrize(
+    "feature", [dict(delay_wgrad_compute=True), dict(cuda_graph_impl="local")],
+    ids=["delay_wgrad_compute", "cuda_graph_impl"],
+)
+def test_weights_exchange_refuses_features_that_keep_a_stale_weight(feature):
+    name = next(iter(feature))
+    with pytest.raises(ValueError, match=f"mea_tp_exchange='weights' cannot be combined with {name}"):
+        make(attention_variant="mea", mea_tp_exchange="weights", **feature)
+
+
 def test_unknown_tp_exchange_names_the_field():
     with pytest.raises(ValueError, match="mea_tp_exchange"):
         make(attention_variant="mea", mea_tp_exchange="gather")

@@ -164,6 +164,11 @@ class MEASelfAttention(_SplitSelfAttention):
             self.linear_qkv.gradient_accumulation_fusion = False  # Megatron's local linear
             if hasattr(self.linear_qkv, "fuse_wgrad_accumulation"):
                 self.linear_qkv.fuse_wgrad_accumulation = False  # Transformer Engine
+            if hasattr(self.linear_qkv, "disable_parameter_transpose_cache"):
+                # TE caches the FP8 copy of the weight per module between micro-batches; the
+                # folded weight is a different tensor (and `auto` may alternate), so quantise
+                # the weight handed in at every call.
+                self.linear_qkv.disable_parameter_transpose_cache = True
         self.head_norm = HeadRMSNorm(config, self.tp_group) if config.mea_head_norm else None
         if self.head_norm is not None:
             # Attention.forward runs core attention (static, dynamic, checkpointed or packed
