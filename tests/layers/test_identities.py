@@ -40,8 +40,9 @@ def plain_state(variant_model, fold_layer=None):
         dict(attention_variant="kha", kha_variant="linear"),
         dict(attention_variant="kha", kha_variant="mlp"),
         dict(attention_variant="mea", mea_head_norm=False),
+        dict(attention_variant="mea", mea_head_norm=False, mea_tp_exchange="weights"),
     ],
-    ids=["kha-linear", "kha-mlp", "mea-identity-no-norm"],
+    ids=["kha-linear", "kha-mlp", "mea-identity-no-norm", "mea-weights-identity-no-norm"],
 )
 def test_variant_at_init_computes_exactly_the_plain_model(single_rank, fields):
     variant = build_gpt(tiny_config(**fields))
@@ -51,10 +52,13 @@ def test_variant_at_init_computes_exactly_the_plain_model(single_rank, fields):
     assert torch.equal(logits(variant), logits(plain))
 
 
+@pytest.mark.parametrize("exchange", ["activations", "weights"])
 @pytest.mark.parametrize("components", [4, 2], ids=["nc=ng", "virtual-nc=ng/2"])
-def test_mea_without_head_norm_equals_plain_model_with_folded_kv_weights(single_rank, components):
+def test_mea_without_head_norm_equals_plain_model_with_folded_kv_weights(
+    single_rank, components, exchange
+):
     config = tiny_config("mea", mea_head_norm=False, mea_num_kv_components=components,
-                         mea_mix_init="normal")
+                         mea_mix_init="normal", mea_tp_exchange=exchange)
     mea = build_gpt(config)
     perturb_plugin_params(mea)
     np_, ng, hn = config.num_attention_heads, config.num_query_groups, config.kv_channels
