@@ -76,6 +76,12 @@ class MEATransformerConfig(TransformerConfig):
     """KHA: which of q, k, v are transformed. Default ("q", "k", "v") for `linear`, ("v",) for
     `mlp` (the only allowed value there)."""
 
+    kha_fold_linear: bool = False
+    """KHA-Linear: fold the matrices into the rows of `linear_qkv` (`T^T W` per head) and project
+    once, instead of transforming the projected heads (an exact reparametrisation of the same
+    computation, without the per-token matmuls; once per optimizer step with
+    `megatron_mea.layers.enable_fold_cache`)."""
+
     def __post_init__(self):
         if self.attention_variant not in ATTENTION_VARIANTS:
             raise ValueError(
@@ -86,6 +92,8 @@ class MEATransformerConfig(TransformerConfig):
             self._check_unsupported_features()
         if self.attention_variant == "mea":
             self._check_tp_exchange()
+        if self.attention_variant == "kha" and self.kha_fold_linear:
+            self._check_folded_projection("kha_fold_linear=True")
         super().__post_init__()
         self._check_head_counts()
         if self.attention_variant == "standard":
@@ -116,6 +124,7 @@ class MEATransformerConfig(TransformerConfig):
                 ("mea_mix_init", None),
                 ("kha_variant", None),
                 ("kha_targets", None),
+                ("kha_fold_linear", False),
             )
             if getattr(self, name) != default
         ]
@@ -184,9 +193,11 @@ class MEATransformerConfig(TransformerConfig):
             raise ValueError(
                 f"mea_tp_exchange ({self.mea_tp_exchange!r}) must be one of {MEA_TP_EXCHANGES}"
             )
-        if self.mea_tp_exchange == "activations":
-            return
-        # The `weights` exchange hands linear_qkv a computed weight with its own shape. Deferred
+        if self.mea_tp_exchange != "activations":
+            self._check_folded_projection(f"mea_tp_exchange={self.mea_tp_exchange!r}")
+
+    def _check_folded_projection(self, setting):
+        # A folded projection hands linear_qkv a computed weight with its own shape. Deferred
         # weight gradients would land on the parameter's `.grad` later (wrong shape, fold
         # skipped), and a captured CUDA graph would keep the first step's weight.
         conflicts = {
@@ -198,9 +209,8 @@ class MEATransformerConfig(TransformerConfig):
         for name, on in conflicts.items():
             if on:
                 raise ValueError(
-                    f"mea_tp_exchange={self.mea_tp_exchange!r} cannot be combined with "
-                    f"{name}={getattr(self, name)!r} (the folded linear_qkv weight is rebuilt "
-                    "every step); use mea_tp_exchange='activations'"
+                    f"{setting} cannot be combined with {name}={getattr(self, name)!r} (the "
+                    "folded linear_qkv weight is rebuilt every step)"
                 )
 
     def _check_components(self, name, nc):
@@ -265,3 +275,8 @@ class MEATransformerConfig(TransformerConfig):
             )
         # Canonical order, so that parameter creation (and checkpoints) do not depend on it.
         self.kha_targets = tuple(x for x in KHA_TARGETS if x in targets)
+        if self.kha_fold_linear and self.kha_variant != "linear":
+            raise ValueError(
+                f"kha_fold_linear=True needs kha_variant='linear' (got {self.kha_variant!r}): "
+                "the KHA MLP is not linear and does not fold"
+            )

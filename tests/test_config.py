@@ -110,6 +110,14 @@ def test_weights_exchange_refuses_features_that_keep_a_stale_weight(feature):
         make(attention_variant="mea", mea_tp_exchange="weights", **feature)
 
 
+def test_kha_fold_linear_needs_the_linear_variant():
+    with pytest.raises(ValueError, match="kha_fold_linear=True needs kha_variant='linear'"):
+        make(attention_variant="kha", kha_variant="mlp", kha_fold_linear=True)
+    with pytest.raises(ValueError, match="kha_fold_linear=True cannot be combined with cuda_graph"):
+        make(attention_variant="kha", kha_variant="linear", kha_fold_linear=True,
+             cuda_graph_impl="local")
+
+
 def test_unknown_tp_exchange_names_the_field():
     with pytest.raises(ValueError, match="mea_tp_exchange"):
         make(attention_variant="mea", mea_tp_exchange="gather")

@@ -26,6 +26,7 @@ configs = st.fixed_dictionaries(
         "mea_mix_init": st.sampled_from([None, "identity", "repeat", "normal", "eye"]),
         "mea_head_norm": st.booleans(),
         "mea_tp_exchange": st.sampled_from(["activations", "weights", "auto", "gather"]),
+        "kha_fold_linear": st.booleans(),
         "kha_variant": st.sampled_from([None, "linear", "mlp", "conv"]),
         "kha_targets": st.one_of(
             st.none(),

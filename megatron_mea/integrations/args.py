@@ -19,7 +19,7 @@ from megatron_mea.config import MEATransformerConfig
 
 # Fields that choose how the model runs rather than what it computes: a resumed run may change them,
 # so they are not taken from the checkpoint under --use-checkpoint-args.
-RUNTIME_FIELDS = ("mea_tp_exchange",)
+RUNTIME_FIELDS = ("mea_tp_exchange", "kha_fold_linear")
 
 
 def plugin_fields(config_class: type = MEATransformerConfig) -> list:

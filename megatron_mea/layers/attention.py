@@ -42,7 +42,50 @@ def split_qkv(mixed_qkv: torch.Tensor, num_groups: int, num_heads: int, head_dim
 class _SplitSelfAttention(SelfAttention):
     """`SelfAttention` whose q/k/v split is explicit, so the variants can act between the split
     and the q/k norms. `MEATransformerConfig` guarantees what this split relies on: no fused
-    qkv-rope (split_qkv is always True), no output gate, and `num_query_groups % tp == 0`."""
+    qkv-rope (split_qkv is always True), no output gate, and `num_query_groups % tp == 0`.
+
+    Folded projections (MEA's `weights` exchange, KHA-Linear with `kha_fold_linear`) run
+    Megatron's own `linear_qkv` module (SP gather, TE, FP8 and all) with a weight computed from
+    its parameters and the variant's matrices; `fold_cache` (set by `enable_fold_cache`) builds
+    that weight once per optimizer step."""
+
+    fold_cache = None  # a FoldCache (layers/fold_cache.py), set by enable_fold_cache
+    folds_projection = False  # this layer may run linear_qkv with a folded weight
+
+    def _enable_folded_projection(self):
+        self.folds_projection = True
+        # The folded weight is a computed tensor without `main_grad`: its weight gradient must
+        # come back through autograd (and the fold) rather than being fused into the parameter's
+        # main_grad by the GEMM. DDP's hooks add the resulting `.grad` as usual.
+        self.linear_qkv.gradient_accumulation_fusion = False  # Megatron's local linear
+        if hasattr(self.linear_qkv, "fuse_wgrad_accumulation"):
+            self.linear_qkv.fuse_wgrad_accumulation = False  # Transformer Engine
+        if hasattr(self.linear_qkv, "disable_parameter_transpose_cache"):
+            # TE caches the FP8 copy of the weight per module between micro-batches; the folded
+            # weight is a different tensor (and MEA's `auto` may alternate), so quantise the
+            # weight handed in at every call.
+            self.linear_qkv.disable_parameter_transpose_cache = True
+
+    def _qkv_bias(self):
+        bias = getattr(self.linear_qkv, "bias", None)  # TE keeps an empty tensor when unused
+        return bias if isinstance(bias, torch.Tensor) and bias.numel() else None
+
+    def _project_folded(self, hidden_states, fold, params, num_groups):
+        """`linear_qkv` with the weight (and bias) `fold()` computes from `params`.
+
+        Returns query `[s, b, np_loc, hn]`, key and value `[s, b, num_groups, hn]`."""
+        if self.fold_cache is not None and torch.is_grad_enabled():
+            weight, bias = self.fold_cache.get(fold, params)
+        else:
+            weight, bias = fold()
+        tensors = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+        mixed_qkv, _ = torch.func.functional_call(self.linear_qkv, tensors, (hidden_states,))
+        return split_qkv(
+            mixed_qkv,
+            num_groups,
+            self.num_attention_heads_per_partition,
+            self.hidden_size_per_attention_head,
+        )
 
     def _project_and_split(self, hidden_states, key_value_states):
         if key_value_states is not None:
@@ -54,6 +97,11 @@ class _SplitSelfAttention(SelfAttention):
             self.num_attention_heads_per_partition,
             self.hidden_size_per_attention_head,
         )
+
+    def _fold_params(self, *matrices):
+        params = [self.linear_qkv.weight, *matrices]
+        bias = self._qkv_bias()
+        return params if bias is None else params + [bias]
 
 
 class KHASelfAttention(_SplitSelfAttention):
@@ -71,13 +119,32 @@ class KHASelfAttention(_SplitSelfAttention):
     ):
         super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
         self.knock = KnockingHeads(config, self.tp_group)
+        if config.kha_fold_linear:
+            self._enable_folded_projection()
 
     def get_query_key_value_tensors(
         self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
     ):
         """`[s, b, h]` -> query `[s, b, np_loc, hn]`, key, value `[s, b, ng_loc, hn]`."""
-        query, key, value = self._project_and_split(hidden_states, key_value_states)
-        query, key, value = self.knock(query, key, value)
+        if self.folds_projection:
+            if key_value_states is not None:
+                raise ValueError("the MEA / KHA variants are self-attention only")
+            # KHA-Linear folded into the rows of linear_qkv (`T^T W` per head).
+            weight, bias = self.linear_qkv.weight, self._qkv_bias()
+            query, key, value = self._project_folded(
+                hidden_states,
+                lambda: self.knock.fold(
+                    weight,
+                    bias,
+                    self.num_attention_heads_per_partition,
+                    self.num_query_groups_per_partition,
+                ),
+                self._fold_params(*self.knock.parameters()),
+                self.num_query_groups_per_partition,
+            )
+        else:
+            query, key, value = self._project_and_split(hidden_states, key_value_states)
+            query, key, value = self.knock(query, key, value)
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
         if self.k_layernorm is not None:
@@ -155,20 +222,9 @@ class MEASelfAttention(_SplitSelfAttention):
             tp_size=self.world_size,
             bias=bias is not None,
         )
-        self.fold_cache = None  # a FoldCache, set by enable_fold_cache
         self._kv_composite = False  # this forward's K/V came out of a folded projection
         if self.exchange != "activations":
-            # The folded weight is a computed tensor without `main_grad`: its weight gradient
-            # must come back through autograd (and the fold) rather than being fused into the
-            # parameter's main_grad by the GEMM. DDP's hooks add the resulting `.grad` as usual.
-            self.linear_qkv.gradient_accumulation_fusion = False  # Megatron's local linear
-            if hasattr(self.linear_qkv, "fuse_wgrad_accumulation"):
-                self.linear_qkv.fuse_wgrad_accumulation = False  # Transformer Engine
-            if hasattr(self.linear_qkv, "disable_parameter_transpose_cache"):
-                # TE caches the FP8 copy of the weight per module between micro-batches; the
-                # folded weight is a different tensor (and `auto` may alternate), so quantise
-                # the weight handed in at every call.
-                self.linear_qkv.disable_parameter_transpose_cache = True
+            self._enable_folded_projection()
         self.head_norm = HeadRMSNorm(config, self.tp_group) if config.mea_head_norm else None
         if self.head_norm is not None:
             # Attention.forward runs core attention (static, dynamic, checkpointed or packed
@@ -176,10 +232,6 @@ class MEASelfAttention(_SplitSelfAttention):
             # place every path shares. A pre-hook there is the only way to insert the norm
             # without copying Megatron's 300-line forward.
             self.linear_proj.register_forward_pre_hook(self._normalize_heads)
-
-    def _qkv_bias(self):
-        bias = getattr(self.linear_qkv, "bias", None)
-        return bias if isinstance(bias, torch.Tensor) and bias.numel() else None
 
     def _use_folded_weight(self, hidden_states) -> bool:
         if self.exchange == "activations" or not self.training:
@@ -191,38 +243,19 @@ class MEASelfAttention(_SplitSelfAttention):
             tokens *= self.world_size  # linear_qkv gathers the sequence
         return choose_exchange(self.exchange_shape, tokens) == "weights"
 
-    def _project_folded(self, hidden_states):
-        """`weights` exchange: `linear_qkv` (Megatron's module: SP gather, TE, FP8 and all) run
-        with the folded weight -> query `[s, b, np_loc, hn]`, composite K/V `[s, b, ng_loc, hn]`."""
-        weight, bias = self.linear_qkv.weight, self._qkv_bias()
-
-        def fold():
-            return self.head_mix.fold(weight, bias, self.config.num_attention_heads)
-
-        if self.fold_cache is not None and torch.is_grad_enabled():
-            params = [weight, self.head_mix.key_weight, self.head_mix.value_weight]
-            if bias is not None:
-                params.append(bias)
-            folded_weight, folded_bias = self.fold_cache.get(fold, params)
-        else:
-            folded_weight, folded_bias = fold()
-        tensors = {"weight": folded_weight}
-        if folded_bias is not None:
-            tensors["bias"] = folded_bias
-        mixed_qkv, _ = torch.func.functional_call(self.linear_qkv, tensors, (hidden_states,))
-        return split_qkv(
-            mixed_qkv,
-            self.config.num_query_groups // self.world_size,
-            self.num_attention_heads_per_partition,
-            self.hidden_size_per_attention_head,
-        )
-
     def _project_and_split(self, hidden_states, key_value_states):
         self._kv_composite = self._use_folded_weight(hidden_states)
         if self._kv_composite:
             if key_value_states is not None:
                 raise ValueError("the MEA / KHA variants are self-attention only")
-            return self._project_folded(hidden_states)
+            # The `weights` exchange: HLC folded into the K/V rows; composite K/V come out.
+            weight, bias = self.linear_qkv.weight, self._qkv_bias()
+            return self._project_folded(
+                hidden_states,
+                lambda: self.head_mix.fold(weight, bias, self.config.num_attention_heads),
+                self._fold_params(self.head_mix.key_weight, self.head_mix.value_weight),
+                self.config.num_query_groups // self.world_size,
+            )
         if not self.components_duplicated:
             return super()._project_and_split(hidden_states, key_value_states)
         if key_value_states is not None:

@@ -1,4 +1,7 @@
-"""One optimizer step's folded `linear_qkv` weights, shared by its micro-batches (`weights` exchange).
+"""One optimizer step's folded `linear_qkv` weights, shared by its micro-batches.
+
+Folded projections: MEA's `weights` TP exchange (HLC in the K/V rows) and KHA-Linear with
+`kha_fold_linear` (`T^T W` per head).
 
 Without the cache every micro-batch gathers and folds the K/V rows again (and reduce-scatters their
 gradient). With it, the first training forward of a step folds once, keeps the autograd graph of
@@ -18,7 +21,7 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mea.layers.attention import MEASelfAttention
+from megatron_mea.layers.attention import KHASelfAttention, MEASelfAttention
 
 
 class FoldCache:
@@ -77,13 +80,13 @@ class FoldCache:
 def _caching_layers(model: torch.nn.Module):
     return [
         m for m in model.modules()
-        if isinstance(m, MEASelfAttention) and m.exchange != "activations"
+        if isinstance(m, (MEASelfAttention, KHASelfAttention)) and m.folds_projection
     ]
 
 
 def enable_fold_cache(model: torch.nn.Module) -> int:
-    """Give every MEA layer of `model` that may fold (`mea_tp_exchange` `weights` or `auto`) a
-    fold cache; returns how many layers got one."""
+    """Give every layer of `model` that may fold its projection (MEA with `mea_tp_exchange`
+    `weights` or `auto`, KHA with `kha_fold_linear`) a fold cache; returns how many got one."""
     layers = _caching_layers(model)
     for layer in layers:
         layer.fold_cache = FoldCache()

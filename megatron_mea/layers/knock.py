@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_mea.ops import kha_linear, kha_mlp
+from megatron_mea.ops import fold_kha_linear, kha_linear, kha_mlp
 from megatron_mea.parallel import tp_replicated
 
 
@@ -25,7 +25,7 @@ class KnockingHeads(torch.nn.Module):
         self.tp_group = tp_group
         self.variant = config.kha_variant
         self.targets = tuple(config.kha_targets)
-        hn = config.kv_channels
+        hn = self.head_dim = config.kv_channels
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
 
         def make(init):
@@ -51,3 +51,33 @@ class KnockingHeads(torch.nn.Module):
         for target in self.targets:
             heads[target] = kha_linear(heads[target], self._weight(f"{target}_weight"))
         return heads["q"], heads["k"], heads["v"]
+
+    def fold(self, weight: torch.Tensor, bias, num_heads: int, num_groups: int):
+        """KHA-Linear folded into this rank's `linear_qkv` rows: `W_h' = T^T W_h` per head.
+
+        Args:
+            weight: `linear_qkv.weight` `[ng_loc * (np_loc/ng_loc + 2) * hn, h]`, interleaved per
+                K/V group as `q.. k v`.
+            bias: its bias `[rows]`, or None.
+            num_heads, num_groups: np_loc and ng_loc, this rank's query heads and K/V groups.
+
+        Returns:
+            weight (same shape) and bias (or None): projecting with them equals projecting with
+            the originals and then applying `kha_linear` to the targeted heads.
+        """
+        hn = self.head_dim
+        rows = torch.cat([weight, bias.unsqueeze(1)], dim=1) if bias is not None else weight
+        columns = rows.shape[1]
+        per_group = num_heads // num_groups
+        rows = rows.view(num_groups, per_group + 2, hn, columns)
+        wide = torch.promote_types(weight.dtype, torch.float32)  # fold in fp32, as HLC's
+        parts = {"q": rows[:, :per_group], "k": rows[:, per_group:-1], "v": rows[:, -1:]}
+        for target in self.targets:
+            part = parts[target]
+            transform = tp_replicated(getattr(self, f"{target}_weight"), self.tp_group)
+            folded = fold_kha_linear(part.reshape(-1, hn, columns).to(wide), transform.to(wide))
+            parts[target] = folded.view(part.shape).to(weight.dtype)
+        folded = torch.cat([parts["q"], parts["k"], parts["v"]], dim=1).view(-1, columns)
+        if bias is None:
+            return folded, None
+        return folded[:, :-1], folded[:, -1]

@@ -2,6 +2,7 @@
 
 from megatron_mea.ops.functional import (
     fold_head_mix,
+    fold_kha_linear,
     head_mix,
     head_rms_norm,
     kha_linear,
@@ -9,4 +10,12 @@ from megatron_mea.ops.functional import (
     mix_init,
 )
 
-__all__ = ["fold_head_mix", "head_mix", "head_rms_norm", "kha_linear", "kha_mlp", "mix_init"]
+__all__ = [
+    "fold_head_mix",
+    "fold_kha_linear",
+    "head_mix",
+    "head_rms_norm",
+    "kha_linear",
+    "kha_mlp",
+    "mix_init",
+]

@@ -45,6 +45,18 @@ def fold_head_mix(component: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     return torch.einsum("jd...,jh->hd...", component, mix)
 
 
+def fold_kha_linear(heads: torch.Tensor, transform: torch.Tensor) -> torch.Tensor:
+    """KHA-Linear folded into projection rows: `W_h' = T^T W_h` (bias: `b_h @ T`).
+
+    Projecting with the folded rows equals projecting and then applying `kha_linear`.
+
+    Args:
+        heads: `[heads, hn, ...]` weight or bias rows (torch's `[out, in]` convention).
+        transform: `T [hn, hn]`.
+    """
+    return torch.einsum("ed,ne...->nd...", transform, heads)
+
+
 def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Head-level group norm: RMS-normalise every head over its own `hn` channels, then scale.
 

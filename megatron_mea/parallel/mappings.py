@@ -5,7 +5,8 @@ Shape legend: `N` tokens on this rank (`s*b`, the full sequence between `linear_
 (`heads_local * ...`), `t` the group size.
 
 Built on Megatron's own `all_to_all` (an all-to-all-v whose backward is the inverse exchange) and
-`copy_to_tensor_model_parallel_region` (identity forward, SUM all-reduce backward).
+all-gathers (backward reduce-scatter); `tp_replicated` has its own small autograd function (see
+`_SumGradOverGroup` for why Megatron's copy-to-region is not used).
 """
 
 from typing import List
@@ -14,7 +15,6 @@ import torch
 from megatron.core.tensor_parallel.mappings import (
     all_gather_last_dim_from_tensor_parallel_region,
     all_to_all,
-    copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
 
@@ -66,6 +66,28 @@ def gather_rows(x: torch.Tensor, group) -> torch.Tensor:
     return gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True, group=group)
 
 
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; backward all-reduces (SUM) the gradient over `group`.
+
+    Megatron's `copy_to_tensor_model_parallel_region` does the same but all-reduces
+    `grad.contiguous()` and returns `grad`: when the gradient arrives non-contiguous (einsum's
+    backward hands a transposed one to KHA's folded matrices) the sum lands in a discarded copy.
+    """
+
+    @staticmethod
+    def forward(ctx, param, group):
+        ctx.group = group
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.group.size() == 1:
+            return grad, None
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 def tp_replicated(param: torch.Tensor, group) -> torch.Tensor:
     """Use a TP-replicated parameter whose gradient must be summed over `group`.
 
@@ -73,4 +95,4 @@ def tp_replicated(param: torch.Tensor, group) -> torch.Tensor:
     complete and identical on every rank, whatever the sequence-parallel setting, before DDP sees
     it. Forward is the identity.
     """
-    return copy_to_tensor_model_parallel_region(param, group=group)
+    return _SumGradOverGroup.apply(param, group)

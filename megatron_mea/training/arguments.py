@@ -59,6 +59,8 @@ class PretrainArgs:
     mea_tp_exchange: str = "activations"
     kha_variant: Optional[str] = None
     kha_targets: Optional[List[str]] = None
+    kha_fold_linear: bool = False
+    """Fold KHA-Linear into linear_qkv's rows (exact; no per-token matmuls)."""
     no_decay_plugin_matrices: bool = False
     """Exempt head_mix / knock matrices from weight decay (Megatron decays every 2-D param)."""
     # ---- parallelism --------------------------------------------------------------------------

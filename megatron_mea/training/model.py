@@ -71,6 +71,7 @@ def transformer_config(args: PretrainArgs, world_size: int = 1) -> MEATransforme
         mea_tp_exchange=args.mea_tp_exchange,
         kha_variant=args.kha_variant,
         kha_targets=tuple(args.kha_targets) if args.kha_targets else None,
+        kha_fold_linear=args.kha_fold_linear,
     )
     if args.num_experts:
         fields.update(

@@ -185,3 +185,15 @@ def checkpoint_round_trip(rank, world_size, fields, workdir):
         loss_first=loss_first, loss_middle=loss_middle, loss_last=loss_last,
         same_state=same, keys=sorted(state_first) == sorted(state_last),
     )
+
+
+def replicated_grad_sums(rank, world_size):
+    """`tp_replicated` with a gradient that arrives non-contiguous (a transpose's backward)."""
+    from megatron_mea.parallel import tp_replicated
+
+    init_parallel(tp=world_size)
+    group = parallel_state.get_tensor_model_parallel_group()
+    param = torch.zeros(3, 2, requires_grad=True)
+    upstream = torch.arange(6.0).view(2, 3) * (rank + 1)
+    tp_replicated(param, group).t().backward(upstream)  # grad = upstream.t(), not contiguous
+    return param.grad

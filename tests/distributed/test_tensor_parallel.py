@@ -2,6 +2,7 @@
 reshard exactly. Real processes on gloo (world sizes 2 and 4)."""
 
 import pytest
+import torch
 
 from tests._dist import run_distributed
 from tests.distributed import _workers
@@ -17,8 +18,9 @@ VARIANTS = [
 ]
 
 
-# The `weights` exchange (HLC folded into linear_qkv): plain, virtual heads with a qkv bias,
-# duplicated components (nc < TP), and `auto` (which picks `activations` at these tiny sizes).
+# Folded projections. The `weights` exchange (HLC folded into linear_qkv): plain, virtual heads
+# with a qkv bias, duplicated components (nc < TP), and `auto` (which picks `activations` at these
+# tiny sizes); KHA-Linear folded into linear_qkv.
 WEIGHTS_VARIANTS = [
     ("mea-weights", dict(attention_variant="mea", mea_mix_init="normal", mea_tp_exchange="weights")),
     ("mea-weights-virtual-bias", dict(attention_variant="mea", mea_num_kv_components=2,
@@ -27,6 +29,8 @@ WEIGHTS_VARIANTS = [
     ("mea-weights-duplicated", dict(attention_variant="mea", mea_num_kv_components=1,
                                     mea_mix_init="normal", mea_tp_exchange="weights")),
     ("mea-auto", dict(attention_variant="mea", mea_mix_init="normal", mea_tp_exchange="auto")),
+    ("kha-fold-linear-bias", dict(attention_variant="kha", kha_variant="linear",
+                                  kha_fold_linear=True, add_qkv_bias=True)),
 ]
 
 
@@ -54,14 +58,14 @@ def test_tp2_sp_equals_tp1_in_loss_and_every_gradient(tmp_path):
 
 
 @pytest.mark.parametrize("fold_cache", [False, True], ids=["fold-per-micro-batch", "fold-cache"])
-def test_weights_exchange_tp2_sp_two_micro_batches_equals_tp1(tmp_path, fold_cache):
+def test_folded_projections_tp2_sp_two_micro_batches_equal_tp1(tmp_path, fold_cache):
     results = run_distributed(
         _workers.equivalence, 2, WEIGHTS_VARIANTS, 2, 1, True, str(tmp_path), 2, fold_cache
     )
     _assert_equivalent(results)
     folds = {name: r["folds"] for name, r in results[0].items()}
-    # Two MEA layers x two micro-batches, or once per layer per step with the cache; `auto`
-    # chooses the activations at these sizes and never folds.
+    # Two layers x two micro-batches, or once per layer per step with the cache; `auto` chooses
+    # the activations at these sizes and never folds.
     per_layer = 1 if fold_cache else 2
     expected = {name: 2 * per_layer for name, _ in WEIGHTS_VARIANTS} | {"mea-auto": 0}
     assert folds == expected
@@ -75,7 +79,8 @@ def test_tp2_sp_ep2_equals_tp1_in_loss_and_every_gradient(tmp_path):
 
 @pytest.mark.parametrize("sp,moe", [(True, True), (False, False)], ids=["sp-moe", "no-sp-dense"])
 def test_replicated_parameters_stay_bit_identical_across_tp_ranks(sp, moe):
-    variants = [VARIANTS[0], VARIANTS[2], VARIANTS[3], VARIANTS[4], WEIGHTS_VARIANTS[0]]
+    variants = [VARIANTS[0], VARIANTS[2], VARIANTS[3], VARIANTS[4], WEIGHTS_VARIANTS[0],
+                WEIGHTS_VARIANTS[4]]
     results = run_distributed(_workers.replicas_after_steps, 2, variants, sp, moe, 3)
     for name, r in results[0].items():
         assert r["identical"], name
@@ -91,3 +96,10 @@ def test_checkpoint_tp2_ep2_to_tp1_to_tp2_round_trip_is_exact(tmp_path, variant)
         assert r["keys"] and r["same_state"]
         assert (r["loss_first"] == r["loss_last"]).all()
         assert (r["loss_first"] - r["loss_middle"]).abs().max() < 1e-5
+
+
+def test_replicated_parameter_gradient_is_summed_even_when_it_arrives_non_contiguous():
+    results = run_distributed(_workers.replicated_grad_sums, 2)
+    expected = torch.arange(6.0).view(2, 3).t() * (1 + 2)
+    for grad in results:
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0)

@@ -40,7 +40,8 @@ def test_every_plugin_field_has_a_flag_whose_dest_is_the_field_name():
     by_dest = {a.dest: a for a in parser._actions}
     assert [f.name for f in plugin_fields()] == [
         "attention_variant", "mea_num_kv_components", "mea_num_kv_components_per_layer",
-        "mea_mix_init", "mea_head_norm", "mea_tp_exchange", "kha_variant", "kha_targets"]
+        "mea_mix_init", "mea_head_norm", "mea_tp_exchange", "kha_variant", "kha_targets",
+        "kha_fold_linear"]
     for field in plugin_fields():
         assert flag_name(field.name) in by_dest[field.name].option_strings
         assert by_dest[field.name].default == field.default

@@ -32,6 +32,11 @@ CASES = [
     ("mea-auto-mqa", 4, 1, 8, dict(attention_variant="mea", mea_tp_exchange="auto")),
     ("kha-linear-qkv", 4, 2, 8, dict(attention_variant="kha", kha_variant="linear")),
     ("kha-linear-k", 6, 3, 6, dict(attention_variant="kha", kha_variant="linear", kha_targets=("k",))),
+    # KHA-Linear folded into linear_qkv.
+    ("kha-fold-linear-qkv", 4, 2, 8, dict(attention_variant="kha", kha_variant="linear",
+                                          kha_fold_linear=True)),
+    ("kha-fold-linear-k", 6, 3, 6, dict(attention_variant="kha", kha_variant="linear",
+                                        kha_targets=("k",), kha_fold_linear=True)),
     ("kha-mlp", 4, 1, 8, dict(attention_variant="kha", kha_variant="mlp")),
     ("kha-mlp-mha-no-qk-norm", 4, 4, 6, dict(attention_variant="kha", kha_variant="mlp", qk_layernorm=False)),
 ]

@@ -38,11 +38,13 @@ def plain_state(variant_model, fold_layer=None):
     "fields",
     [
         dict(attention_variant="kha", kha_variant="linear"),
+        dict(attention_variant="kha", kha_variant="linear", kha_fold_linear=True),
         dict(attention_variant="kha", kha_variant="mlp"),
         dict(attention_variant="mea", mea_head_norm=False),
         dict(attention_variant="mea", mea_head_norm=False, mea_tp_exchange="weights"),
     ],
-    ids=["kha-linear", "kha-mlp", "mea-identity-no-norm", "mea-weights-identity-no-norm"],
+    ids=["kha-linear", "kha-fold-linear", "kha-mlp", "mea-identity-no-norm",
+         "mea-weights-identity-no-norm"],
 )
 def test_variant_at_init_computes_exactly_the_plain_model(single_rank, fields):
     variant = build_gpt(tiny_config(**fields))
@@ -78,8 +80,9 @@ def test_mea_without_head_norm_equals_plain_model_with_folded_kv_weights(
     assert not torch.allclose(logits(mea), logits(unmixed), atol=1e-3)
 
 
-def test_kha_linear_with_random_matrices_equals_plain_model_with_folded_qkv(single_rank):
-    config = tiny_config("kha", kha_variant="linear")
+@pytest.mark.parametrize("fold", [False, True], ids=["activations", "kha-fold-linear"])
+def test_kha_linear_with_random_matrices_equals_plain_model_with_folded_qkv(single_rank, fold):
+    config = tiny_config("kha", kha_variant="linear", kha_fold_linear=fold)
     kha = build_gpt(config)
     perturb_plugin_params(kha)
     np_, ng, hn = config.num_attention_heads, config.num_query_groups, config.kv_channels

@@ -1,5 +1,6 @@
-"""The `weights` TP exchange at TP=1: folded projection vs mixed activations, the per-step fold
-cache, its missed-flush guard, and the communication formulas behind `auto`."""
+"""Folded projections at TP=1 (MEA's `weights` exchange, KHA-Linear with `kha_fold_linear`) against
+the unfolded layers: the per-step fold cache, its missed-flush guard, and the communication
+formulas behind `auto`."""
 
 import pytest
 import torch
@@ -19,12 +20,13 @@ from tests._models import CPU_EXACT, perturb_plugin_params
 SEQ, BATCH, HEAD_DIM = 6, 2, 8
 
 
-def _attention(exchange, **fields):
+def _attention(exchange=None, **fields):
+    if exchange is not None:
+        fields.update(attention_variant="mea", mea_mix_init="normal", mea_tp_exchange=exchange)
     config = MEATransformerConfig(
         num_layers=1, hidden_size=40, kv_channels=HEAD_DIM, num_attention_heads=8,
         num_query_groups=4, normalization="RMSNorm", qk_layernorm=True, add_bias_linear=False,
-        layernorm_epsilon=1e-5, attention_variant="mea", mea_mix_init="normal",
-        mea_tp_exchange=exchange, **CPU_EXACT, **fields,
+        layernorm_epsilon=1e-5, **CPU_EXACT, **fields,
     )
     spec = get_gpt_layer_spec(config, use_transformer_engine=False)
     torch.manual_seed(0)
@@ -44,17 +46,32 @@ def _micro_batches(attention, inputs):
     return outputs
 
 
-@pytest.mark.parametrize("fields", [{}, dict(mea_num_kv_components=2, add_qkv_bias=True)],
-                         ids=["nc=ng", "virtual-bias"])
-def test_fold_cache_over_micro_batches_equals_mixing_activations(single_rank, fields):
+KHA = dict(attention_variant="kha", kha_variant="linear")
+# (unfolded layer, folded layer, the module whose `fold` builds the weight)
+PAIRS = {
+    "mea-nc=ng": (dict(exchange="activations"), dict(exchange="weights"), "head_mix"),
+    "mea-virtual-bias": (
+        dict(exchange="activations", mea_num_kv_components=2, add_qkv_bias=True),
+        dict(exchange="weights", mea_num_kv_components=2, add_qkv_bias=True),
+        "head_mix",
+    ),
+    "kha-linear-bias": (KHA | dict(add_qkv_bias=True),
+                        KHA | dict(add_qkv_bias=True, kha_fold_linear=True), "knock"),
+}
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_fold_cache_over_micro_batches_equals_the_unfolded_layer(single_rank, pair):
+    plain_fields, folded_fields, folder = PAIRS[pair]
     inputs = [torch.randn(SEQ, BATCH, 40) for _ in range(3)]
-    mixed = _attention("activations", **fields)
-    folded = _attention("weights", **fields)
+    mixed = _attention(**plain_fields)
+    folded = _attention(**folded_fields)
     folded.load_state_dict(mixed.state_dict())
     assert enable_fold_cache(folded) == 1
     calls = []
-    fold = folded.head_mix.fold
-    folded.head_mix.fold = lambda *a: calls.append(1) or fold(*a)
+    module = getattr(folded, folder)
+    fold = module.fold
+    module.fold = lambda *a: calls.append(1) or fold(*a)
 
     expected = _micro_batches(mixed, inputs)
     got = _micro_batches(folded, inputs)
