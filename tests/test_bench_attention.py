@@ -20,7 +20,8 @@ def test_bench_attention_counts_the_formula_bytes_at_tp2_and_tp4(tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     result = json.loads(out.read_text())
-    variants = ["baseline", "mea-activations", "mea-weights", "kha-linear", "kha-mlp"]
+    variants = ["baseline", "mea-activations", "mea-weights", "kha-linear", "kha-linear-folded",
+                "kha-mlp"]
     for key in ("layer", "model_step"):
         assert list(result[key]) == variants
         assert all(row["median_s"] > 0 and row["ratio"] > 0 for row in result[key].values())

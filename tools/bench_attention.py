@@ -33,13 +33,15 @@ VARIANTS = {
                             mea_tp_exchange="activations"),
     "mea-weights": dict(attention_variant="mea", mea_mix_init="normal", mea_tp_exchange="weights"),
     "kha-linear": dict(attention_variant="kha", kha_variant="linear"),
+    "kha-linear-folded": dict(attention_variant="kha", kha_variant="linear", kha_fold_linear=True),
     "kha-mlp": dict(attention_variant="kha", kha_variant="mlp"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        help="baseline is always included (ratios are to it)")
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
     parser.add_argument("--num-attention-heads", type=int, default=16)
