@@ -380,7 +380,8 @@ def report(result: dict) -> str:
             header += f"{'TFLOP/s':>9}"
         lines.append(header)
         for name, row in rows.items():
-            line = f"{name:<18}{row['median_s'] * 1e3:>11.1f}{row.get('ratio', float('nan')):>12.3f}x"
+            ratio = row.get("ratio", float("nan"))
+            line = f"{name:<18}{row['median_s'] * 1e3:>11.1f}{ratio:>12.3f}x"
             if key == "layer":
                 line += f"{result['layer_flops'] / row['median_s'] / 1e12:>9.3f}"
             lines.append(line)

@@ -70,14 +70,19 @@ class _SplitSelfAttention(SelfAttention):
         bias = getattr(self.linear_qkv, "bias", None)  # TE keeps an empty tensor when unused
         return bias if isinstance(bias, torch.Tensor) and bias.numel() else None
 
-    def _project_folded(self, hidden_states, fold, params, num_groups):
-        """`linear_qkv` with the weight (and bias) `fold()` computes from `params`.
+    def _project_folded(self, hidden_states, key_value_states, fold, matrices, num_groups):
+        """`linear_qkv` run with the weight (and bias) `fold(weight, bias)` computes from its
+        own parameters and the variant's `matrices`.
 
         Returns query `[s, b, np_loc, hn]`, key and value `[s, b, num_groups, hn]`."""
+        if key_value_states is not None:
+            raise ValueError("the MEA / KHA variants are self-attention only")
+        weight, bias = self.linear_qkv.weight, self._qkv_bias()
         if self.fold_cache is not None and torch.is_grad_enabled():
-            weight, bias = self.fold_cache.get(fold, params)
+            params = [weight, *matrices] + ([] if bias is None else [bias])
+            weight, bias = self.fold_cache.get(lambda: fold(weight, bias), params)
         else:
-            weight, bias = fold()
+            weight, bias = fold(weight, bias)
         tensors = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
         mixed_qkv, _ = torch.func.functional_call(self.linear_qkv, tensors, (hidden_states,))
         return split_qkv(
@@ -97,11 +102,6 @@ class _SplitSelfAttention(SelfAttention):
             self.num_attention_heads_per_partition,
             self.hidden_size_per_attention_head,
         )
-
-    def _fold_params(self, *matrices):
-        params = [self.linear_qkv.weight, *matrices]
-        bias = self._qkv_bias()
-        return params if bias is None else params + [bias]
 
 
 class KHASelfAttention(_SplitSelfAttention):
@@ -127,20 +127,15 @@ class KHASelfAttention(_SplitSelfAttention):
     ):
         """`[s, b, h]` -> query `[s, b, np_loc, hn]`, key, value `[s, b, ng_loc, hn]`."""
         if self.folds_projection:
-            if key_value_states is not None:
-                raise ValueError("the MEA / KHA variants are self-attention only")
             # KHA-Linear folded into the rows of linear_qkv (`T^T W` per head).
-            weight, bias = self.linear_qkv.weight, self._qkv_bias()
+            heads = self.num_attention_heads_per_partition
+            groups = self.num_query_groups_per_partition
             query, key, value = self._project_folded(
                 hidden_states,
-                lambda: self.knock.fold(
-                    weight,
-                    bias,
-                    self.num_attention_heads_per_partition,
-                    self.num_query_groups_per_partition,
-                ),
-                self._fold_params(*self.knock.parameters()),
-                self.num_query_groups_per_partition,
+                key_value_states,
+                lambda weight, bias: self.knock.fold(weight, bias, heads, groups),
+                list(self.knock.parameters()),
+                groups,
             )
         else:
             query, key, value = self._project_and_split(hidden_states, key_value_states)
@@ -246,14 +241,13 @@ class MEASelfAttention(_SplitSelfAttention):
     def _project_and_split(self, hidden_states, key_value_states):
         self._kv_composite = self._use_folded_weight(hidden_states)
         if self._kv_composite:
-            if key_value_states is not None:
-                raise ValueError("the MEA / KHA variants are self-attention only")
             # The `weights` exchange: HLC folded into the K/V rows; composite K/V come out.
-            weight, bias = self.linear_qkv.weight, self._qkv_bias()
+            num_heads = self.config.num_attention_heads
             return self._project_folded(
                 hidden_states,
-                lambda: self.head_mix.fold(weight, bias, self.config.num_attention_heads),
-                self._fold_params(self.head_mix.key_weight, self.head_mix.value_weight),
+                key_value_states,
+                lambda weight, bias: self.head_mix.fold(weight, bias, num_heads),
+                [self.head_mix.key_weight, self.head_mix.value_weight],
                 self.config.num_query_groups // self.world_size,
             )
         if not self.components_duplicated:

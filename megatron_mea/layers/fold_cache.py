@@ -38,7 +38,9 @@ class FoldCache:
         """A fold built this step and not yet flushed."""
         return self._outputs is not None
 
-    def get(self, build: Callable[[], Sequence[Optional[torch.Tensor]]], params: List[torch.Tensor]):
+    def get(
+        self, build: Callable[[], Sequence[Optional[torch.Tensor]]], params: List[torch.Tensor]
+    ):
         """The leaves of this step's fold, building it on the first call.
 
         Args:

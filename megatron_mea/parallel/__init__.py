@@ -1,4 +1,4 @@
-"""The only place the plugin's collectives live (see mappings.py), and their volumes (exchange.py)."""
+"""The only place the plugin's collectives live (mappings.py), and their volumes (exchange.py)."""
 
 from megatron_mea.parallel.exchange import (
     ExchangeShape,

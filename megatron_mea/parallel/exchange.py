@@ -58,7 +58,9 @@ def weight_exchange_elements(shape: ExchangeShape) -> int:
     if t == 1:
         return 0
     columns = shape.hidden_size + int(shape.bias)
-    rows = (shape.num_heads + 2 * shape.num_components) if shape.duplicated else 2 * shape.num_components
+    rows = 2 * shape.num_components
+    if shape.duplicated:
+        rows += shape.num_heads
     return 2 * (t - 1) * rows * shape.head_dim * columns // t
 
 
@@ -66,4 +68,5 @@ def choose_exchange(shape: ExchangeShape, num_tokens: int) -> str:
     """`auto`: the strategy that sends less for one micro-batch; ties go to `weights`, which also
     skips the activation-sized mixing (so it wins at TP=1, where neither communicates)."""
     weights = weight_exchange_elements(shape)
-    return "weights" if weights <= activation_exchange_elements(shape, num_tokens) else "activations"
+    activations = activation_exchange_elements(shape, num_tokens)
+    return "weights" if weights <= activations else "activations"
