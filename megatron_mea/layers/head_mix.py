@@ -7,7 +7,7 @@ Shape legend: `s` sequence, `b` batch, `nc` component heads, `ng` composite head
 import torch
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
-from megatron_mea.ops import fold_head_mix, head_mix, mix_init
+from megatron_mea.ops import fold_head_mix, head_mix, mix_init, rows_with_bias, split_bias
 from megatron_mea.parallel import gather_rows, heads_to_tokens, tokens_to_heads, tp_replicated
 
 
@@ -107,7 +107,7 @@ class HeadMix(torch.nn.Module):
             plain GQA `linear_qkv` with `ng` groups, so the usual split yields composite K/V.
         """
         hn, nc, ng = self.head_dim, self.num_components, self.num_groups
-        rows = torch.cat([weight, bias.unsqueeze(1)], dim=1) if bias is not None else weight
+        rows = rows_with_bias(weight, bias)
         columns = rows.shape[1]
         heads_per_component = num_heads // nc
         if self.duplicated:
@@ -138,6 +138,4 @@ class HeadMix(torch.nn.Module):
             ],
             dim=1,
         ).view(-1, columns)
-        if bias is None:
-            return folded, None
-        return folded[:, :-1], folded[:, -1]
+        return split_bias(folded, bias is not None)

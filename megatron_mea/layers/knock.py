@@ -2,7 +2,7 @@
 
 import torch
 
-from megatron_mea.ops import fold_kha_linear, kha_linear, kha_mlp
+from megatron_mea.ops import fold_kha_linear, kha_linear, kha_mlp, rows_with_bias, split_bias
 from megatron_mea.parallel import tp_replicated
 
 
@@ -66,7 +66,7 @@ class KnockingHeads(torch.nn.Module):
             the originals and then applying `kha_linear` to the targeted heads.
         """
         hn = self.head_dim
-        rows = torch.cat([weight, bias.unsqueeze(1)], dim=1) if bias is not None else weight
+        rows = rows_with_bias(weight, bias)
         columns = rows.shape[1]
         per_group = num_heads // num_groups
         rows = rows.view(num_groups, per_group + 2, hn, columns)
@@ -78,6 +78,4 @@ class KnockingHeads(torch.nn.Module):
             folded = fold_kha_linear(part.reshape(-1, hn, columns).to(wide), transform.to(wide))
             parts[target] = folded.view(part.shape).to(weight.dtype)
         folded = torch.cat([parts["q"], parts["k"], parts["v"]], dim=1).view(-1, columns)
-        if bias is None:
-            return folded, None
-        return folded[:, :-1], folded[:, -1]
+        return split_bias(folded, bias is not None)

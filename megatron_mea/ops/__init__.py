@@ -8,6 +8,8 @@ from megatron_mea.ops.functional import (
     kha_linear,
     kha_mlp,
     mix_init,
+    rows_with_bias,
+    split_bias,
 )
 
 __all__ = [
@@ -18,4 +20,6 @@ __all__ = [
     "kha_linear",
     "kha_mlp",
     "mix_init",
+    "rows_with_bias",
+    "split_bias",
 ]

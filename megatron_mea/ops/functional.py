@@ -29,6 +29,16 @@ def head_mix(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("...jd,...jh->...hd", x, weight)
 
 
+def rows_with_bias(weight: torch.Tensor, bias) -> torch.Tensor:
+    """Projection rows `[out, in]` with the bias appended as a last column (`[out, in + 1]`),
+    so that a fold of the rows folds the bias alike; `bias` may be None (rows returned as is)."""
+    return weight if bias is None else torch.cat([weight, bias.unsqueeze(1)], dim=1)
+
+
+def split_bias(rows: torch.Tensor, has_bias: bool):
+    """Inverse of `rows_with_bias`: `(weight, bias or None)`."""
+    return (rows[:, :-1], rows[:, -1]) if has_bias else (rows, None)
+
 def fold_head_mix(component: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """HLC folded into projection rows: `W_h = sum_j A[j, h] W_j` (torch's `[out, in]` rows).
 
