@@ -15,6 +15,7 @@ def test_bench_attention_counts_the_formula_bytes_at_tp2_and_tp4(tmp_path):
         sys.executable, os.path.join(ROOT, "tools", "bench_attention.py"),
         "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "4",
         "--seq-length", "32", "--repeats", "2", "--warmup", "0", "--model-layers", "1",
+        "--model-repeats", "2",
         "--vocab-size", "128", "--tp-sizes", "2", "4", "--json", str(out),
     ]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)

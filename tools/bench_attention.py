@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-layers", type=int, default=2,
                         help="layers of the full-model step (0 skips it)")
     parser.add_argument("--model-micro-batches", type=int, default=2)
+    parser.add_argument("--model-repeats", type=int, default=7,
+                        help="timed rounds of the model step")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--tp-sizes", type=int, nargs="*", default=[2, 4],
                         help="TP sizes whose collectives are counted (none: skip)")
@@ -206,14 +208,14 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_interleaved(steps: dict, args) -> dict:
+def time_interleaved(steps: dict, args, repeats: int) -> dict:
     """Seconds of every round per variant; the variants' order is shuffled every round."""
     from tqdm import tqdm
 
     order = list(steps)
     rng = random.Random(args.seed)
     times = {name: [] for name in steps}
-    for round_index in tqdm(range(args.warmup + args.repeats), desc="rounds", leave=False):
+    for round_index in tqdm(range(args.warmup + repeats), desc="rounds", leave=False):
         rng.shuffle(order)
         for name in order:
             _sync(args.device)
@@ -366,8 +368,8 @@ def report(result: dict) -> str:
     lines.append(
         f"shape: hidden {shape['hidden_size']}, heads {shape['num_attention_heads']}/"
         f"{shape['num_query_groups']}, seq {shape['seq_length']}, micro-batch "
-        f"{shape['micro_batch_size']}, {shape['dtype']}, {shape['device']}, "
-        f"{result['rounds']} rounds"
+        f"{shape['micro_batch_size']}, {shape['dtype']}, {shape['device']}; rounds: "
+        f"{result['rounds']['layer']} per layer, {result['rounds']['model_step']} per model step"
     )
     for title, key in (("one layer, forward + backward", "layer"),
                        ("small GPT step (micro-batches + Adam)", "model_step")):
@@ -434,20 +436,20 @@ def main(argv=None) -> int:
                                                "num_query_groups", "seq_length",
                                                "micro_batch_size", "device")}
         | {"dtype": "bf16" if args.bf16 else "fp32"},
-        "rounds": args.repeats,
+        "rounds": {"layer": args.repeats, "model_step": args.model_repeats},
         "layer_flops": layer_flops(args),
     }
     layer_steps = {name: LayerStep(args, name) for name in args.variants}
     if args.profile:
         profile(layer_steps, args)
-    print(f"[bench] timing one layer: {len(layer_steps)} variants x {args.repeats} rounds",
-          flush=True)
-    result["layer"] = ratios(time_interleaved(layer_steps, args))
+    print(f"[bench] timing one layer: {len(layer_steps)} variants x {args.repeats} rounds "
+          f"(+{args.warmup} warm-up)", flush=True)
+    result["layer"] = ratios(time_interleaved(layer_steps, args, args.repeats))
     del layer_steps
     if args.model_layers:
         print(f"[bench] timing a {args.model_layers}-layer GPT step", flush=True)
         model_steps = {name: ModelStep(args, name) for name in args.variants}
-        result["model_step"] = ratios(time_interleaved(model_steps, args))
+        result["model_step"] = ratios(time_interleaved(model_steps, args, args.model_repeats))
         del model_steps
     dist.destroy_process_group()
     parallel_state.destroy_model_parallel()

@@ -35,7 +35,8 @@ else
 fi
 
 COMMON=(--device cuda --bf16 "${TE[@]}" --seq-length 4096 --micro-batch-size 1
-        --repeats 30 --warmup 5 --model-layers 2 --model-micro-batches 2 --vocab-size 32768
+        --repeats 30 --warmup 5 --model-layers 2 --model-micro-batches 2 --model-repeats 20
+        --vocab-size 32768
         --tp-sizes)
 python3 tools/bench_attention.py "${COMMON[@]}" --hidden-size 2048 --num-attention-heads 16 \
     --num-query-groups 4 --json "$OUT_DIR/bench_gpu_h2048.json"
