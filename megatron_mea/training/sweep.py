@@ -82,6 +82,8 @@ class RunSummary:
     best_loss: float
     final_valid_loss: float
     max_grad_norm: float
+    """Largest finite grad norm after warm-up (before clipping; the first steps' large norms
+    would hide everything else)."""
     spikes: List[int]
     """Iteration at which each spike excursion starts."""
     diverged: bool
@@ -179,7 +181,10 @@ def summarize_run(
     finite = [v for v in losses if math.isfinite(v)]
     smooth = [v for v in smoothed(losses, rule.smooth_window) if math.isfinite(v)]
     valid = [r["valid loss"] for r in records if "valid loss" in r]
-    grad_norms = [r["grad norm"] for r in records if math.isfinite(r.get("grad norm", math.nan))]
+    grad_norms = [
+        r["grad norm"] for r in records
+        if r["iteration"] > warmup_steps and math.isfinite(r.get("grad norm", math.nan))
+    ]
     if stop_message:
         status = "stopped"
     else:
@@ -249,8 +254,8 @@ def format_table(summaries: Sequence[RunSummary], rule: StabilityRule) -> str:
         f"\nspike: loss > (1 + {rule.spike_threshold:g}) x median of the previous "
         f"{rule.spike_window} losses, after warm-up, one per excursion. diverged: non-finite "
         f"loss, smoothed ({rule.smooth_window}-step) loss > {rule.divergence_factor:g} x initial "
-        f"loss after warm-up, or final > (1 + {rule.divergence_rise:g}) x best. 'spikes' in the "
-        "second table: all LRs."
+        f"loss after warm-up, or final > (1 + {rule.divergence_rise:g}) x best. 'max gn': largest "
+        "grad norm after warm-up. 'spikes' in the second table: all LRs."
     )
     return "\n".join(lines)
 
@@ -274,8 +279,8 @@ def to_json(summaries: Sequence[RunSummary], rule: StabilityRule) -> dict:
 def plot_loss_curves(
     curves: Dict[tuple, Sequence[dict]], summaries: Sequence[RunSummary], path: str, window: int
 ) -> None:
-    """One subplot per LR: smoothed training loss vs step for every variant; an `x` marks where a
-    run diverged. `curves` maps (variant, lr) to the run's records."""
+    """One subplot per LR: smoothed training loss vs step for every variant; an `x` marks the
+    step at which a run was judged diverged. `curves` maps (variant, lr) to the run's records."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,8 +303,11 @@ def plot_loss_curves(
             ax.plot(steps, smooth, color=colors[variant], label=variant, lw=1.2)
             summary = by_run.get((variant, lr))
             if summary is not None and summary.diverged:
-                finite = [v for v in smooth if math.isfinite(v)]
-                ax.plot(steps[-1], finite[-1] if finite else 0.0, "x", color=colors[variant],
+                # At the step the divergence was detected (the last step for a stopped run).
+                at = (steps.index(summary.diverged_at) if summary.diverged_at in steps
+                      else len(steps) - 1)
+                finite = [v for v in smooth[: at + 1] if math.isfinite(v)]
+                ax.plot(steps[at], finite[-1] if finite else 0.0, "x", color=colors[variant],
                         ms=10, mew=2)
         ax.set_title(f"peak lr {lr:g}")
         ax.set_xlabel("iteration")
