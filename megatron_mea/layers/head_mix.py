@@ -106,7 +106,7 @@ class HeadMix(torch.nn.Module):
             weight `[ng_loc * (np/ng + 2) * hn, h]` and bias (or None), laid out as Megatron's
             plain GQA `linear_qkv` with `ng` groups, so the usual split yields composite K/V.
         """
-        hn, nc, ng = self.head_dim, self.num_components, self.num_groups
+        hn, nc = self.head_dim, self.num_components
         rows = rows_with_bias(weight, bias)
         columns = rows.shape[1]
         heads_per_component = num_heads // nc

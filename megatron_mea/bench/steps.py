@@ -1,0 +1,146 @@
+"""What `tools/bench_attention.py` times: one transformer layer, and one step of a small GPT.
+
+Every variant is built from the same seed and shape; only the attention differs (`VARIANTS`).
+`args` is the namespace of `megatron_mea.cli.bench_attention`'s parser.
+"""
+
+import torch
+
+VARIANTS = {
+    "baseline": dict(attention_variant="standard"),
+    "mea-activations": dict(attention_variant="mea", mea_mix_init="normal",
+                            mea_tp_exchange="activations"),
+    "mea-weights": dict(attention_variant="mea", mea_mix_init="normal", mea_tp_exchange="weights"),
+    "kha-linear": dict(attention_variant="kha", kha_variant="linear"),
+    "kha-linear-folded": dict(attention_variant="kha", kha_variant="linear", kha_fold_linear=True),
+    "kha-mlp": dict(attention_variant="kha", kha_variant="mlp"),
+}
+
+
+def quiet_warnings() -> None:
+    """Megatron's SP advice about CUDA_DEVICE_MAX_CONNECTIONS and torch's renamed collectives
+    repeat on every call and would bury the table."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated.*")
+    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+
+def make_config(args, variant, tp=1, num_layers=1):
+    from megatron_mea import MEATransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    return MEATransformerConfig(
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=args.device == "cpu",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        **VARIANTS[variant],
+    )
+
+
+def build_layer(args, variant, tp=1):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_mea import get_gpt_layer_spec
+
+    torch.manual_seed(args.seed)
+    config = make_config(args, variant, tp)
+    spec = get_gpt_layer_spec(config, use_transformer_engine=args.transformer_engine)
+    return build_module(spec, config=config, layer_number=1).to(args.device)
+
+
+def build_model(args, variant):
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_mea import get_gpt_decoder_block_spec
+    from megatron_mea.layers import enable_fold_cache
+
+    torch.manual_seed(args.seed)
+    config = make_config(args, variant, num_layers=args.model_layers)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_engine)
+    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
+                     max_sequence_length=args.seq_length, position_embedding_type="rope")
+    model = model.to(args.device)
+    enable_fold_cache(model)
+    return model
+
+
+class LayerStep:
+    """Forward + backward of one layer on `[s/t, b, h]` (the SP shard) with RoPE and a causal
+    mask."""
+
+    def __init__(self, args, variant, tp=1):
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        self.layer = build_layer(args, variant, tp)
+        config = self.layer.config
+        seq = args.seq_length
+        dtype = config.params_dtype
+        gen = torch.Generator().manual_seed(args.seed)
+        shape = (seq // tp, args.micro_batch_size, args.hidden_size)
+        self.x = torch.randn(shape, generator=gen).to(args.device, dtype).requires_grad_()
+        self.grad = torch.randn(shape, generator=gen).to(args.device, dtype)
+        rope = RotaryEmbedding(kv_channels=config.kv_channels, rotary_percent=1.0)
+        self.rotary = rope(seq).to(args.device)
+
+    def __call__(self):
+        out, _ = self.layer(self.x, attention_mask=None, rotary_pos_emb=self.rotary)
+        out.backward(self.grad)
+        self.x.grad = None
+        self.layer.zero_grad(set_to_none=True)
+
+
+class ModelStep:
+    """One optimizer step of a small GPT: micro-batches, the fold flush, Adam."""
+
+    def __init__(self, args, variant):
+        from megatron_mea.layers import flush_fold_caches
+
+        self.model = build_model(args, variant)
+        self.flush = flush_fold_caches
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
+        gen = torch.Generator().manual_seed(args.seed)
+        shape = (args.model_micro_batches, args.micro_batch_size, args.seq_length + 1)
+        tokens = torch.randint(0, args.vocab_size, shape, generator=gen).to(args.device)
+        self.inputs, self.labels = tokens[..., :-1], tokens[..., 1:]
+        self.positions = torch.arange(args.seq_length, device=args.device).expand_as(self.inputs[0])
+
+    def __call__(self):
+        for tokens, labels in zip(self.inputs, self.labels):
+            loss = self.model(tokens, self.positions, attention_mask=None, labels=labels)
+            loss.float().mean().backward()
+        self.flush([self.model])
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def layer_flops(args) -> float:
+    """Model FLOPs of one baseline layer forward + backward (3x forward; causal attention
+    counted as half of the square, as a causal kernel computes it)."""
+    h, s, b = args.hidden_size, args.seq_length, args.micro_batch_size
+    hn = h // args.num_attention_heads
+    qkv = 2 * h * (args.num_attention_heads + 2 * args.num_query_groups) * hn
+    attention = 2 * 2 * s * args.num_attention_heads * hn / 2
+    proj = 2 * args.num_attention_heads * hn * h
+    mlp = 2 * 2 * h * (args.ffn_hidden_size or 4 * h)
+    return 3 * s * b * (qkv + attention + proj + mlp)
