@@ -91,3 +91,27 @@ def test_resume_at_another_tensor_parallel_layout_continues_from_the_saved_model
     # Step 5's loss is computed before any update, from the loaded weights on the same data.
     assert len(resumed) == 4
     assert abs(resumed[0] - full[4]) < 1e-4, (resumed[0], full[4])
+
+
+@pytest.mark.parametrize(
+    "variant,folded",
+    [
+        (["--attention-variant", "mea", "--mea-num-kv-components", "2"],
+         ["--mea-tp-exchange", "weights"]),
+        (["--attention-variant", "kha", "--kha-variant", "linear"], ["--kha-fold-linear"]),
+    ],
+    ids=["mea-weights", "kha-fold-linear"],
+)
+def test_folded_projection_with_its_step_cache_trains_like_the_unfolded_model(
+    text_dataset, tmp_path, variant, folded
+):
+    # TP=2 + SP, two micro-batches per step: the trainer folds once per step and flushes the
+    # fold's gradient in finalize_model_grads, through DDP and Megatron's optimizer.
+    common = [*SMALL, "--data-path", text_dataset, "--train-iters", "6", *variant,
+              "--tensor-model-parallel-size", "2", "--sequence-parallel",
+              "--data-cache-path", str(tmp_path / "cache")]
+    plain = run_distributed(_train, 2, common)[0]
+    fold = run_distributed(_train, 2, [*common, *folded])[0]
+    assert len(plain) == len(fold) == 6
+    assert max(abs(a - b) for a, b in zip(plain, fold)) < 1e-4, (plain, fold)
+    assert plain[-1] < plain[0]  # the steps really trained
