@@ -1,7 +1,7 @@
 """Learning-rate robustness sweep over baseline, MEA and KHA variants (see
 `megatron_mea.cli.lr_sweep` for the flags and `megatron_mea.training.sweep` for the definitions).
 
-    python tools/lr_sweep.py --preset cpu              # about 37 minutes on 2 CPU cores
+    python tools/lr_sweep.py --preset cpu              # about 39 minutes on 2 CPU cores
     python tools/lr_sweep.py --preset gpu --data-path data/my_text_document
 """
 
