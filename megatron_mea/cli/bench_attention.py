@@ -184,8 +184,8 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # Always a world of one on a fresh port (an inherited MASTER_PORT may be in use).
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     apply_cpu_patches()
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()

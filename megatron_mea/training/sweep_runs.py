@@ -296,12 +296,20 @@ def train_run(settings: SweepSettings, config_path: str, variant: str, lr: float
     return result
 
 
+# Rendezvous variables of a launcher (torchrun, or a process that already joined a group): each
+# run is a world of its own and picks a free port, so none of them is passed on.
+_RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
 def _child_env() -> dict:
-    """This environment, with the directory holding `megatron_mea` first on PYTHONPATH, so that
-    `python -m megatron_mea.pretrain` finds this package from a checkout that is not installed."""
+    """This environment without rendezvous variables, with the directory holding `megatron_mea`
+    first on PYTHONPATH, so that `python -m megatron_mea.pretrain` finds this package from a
+    checkout that is not installed."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    return {**env, "PYTHONPATH": root + (os.pathsep + path if path else "")}
 
 
 def _report_progress(directory: str, seen: int, on_step) -> int:
