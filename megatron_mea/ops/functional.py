@@ -39,6 +39,7 @@ def split_bias(rows: torch.Tensor, has_bias: bool):
     """Inverse of `rows_with_bias`: `(weight, bias or None)`."""
     return (rows[:, :-1], rows[:, -1]) if has_bias else (rows, None)
 
+
 def fold_head_mix(component: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """HLC folded into projection rows: `W_h = sum_j A[j, h] W_j` (torch's `[out, in]` rows).
 
