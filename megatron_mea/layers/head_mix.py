@@ -49,11 +49,11 @@ class HeadMix(torch.nn.Module):
 
         self.key_weight = make()
         self.value_weight = make()
-        world = get_pg_size(tp_group)
-        self.duplicated = self.num_components < world
-        local = divide(self.num_groups, world)
-        rank = get_pg_rank(tp_group)
-        self.local_groups = slice(rank * local, (rank + 1) * local)
+        self.world_size, self.rank = get_pg_size(tp_group), get_pg_rank(tp_group)
+        self.duplicated = self.num_components < self.world_size
+        self.groups_per_rank = divide(self.num_groups, self.world_size)
+        start = self.rank * self.groups_per_rank
+        self.local_groups = slice(start, start + self.groups_per_rank)
 
     def forward(self, key: torch.Tensor, value: torch.Tensor):
         """Mix component heads into composite heads.
@@ -69,7 +69,7 @@ class HeadMix(torch.nn.Module):
         if self.duplicated:
             key_weight = key_weight[:, self.local_groups]
             value_weight = value_weight[:, self.local_groups]
-        if self.duplicated or get_pg_size(self.tp_group) == 1:
+        if self.duplicated or self.world_size == 1:
             # Contiguous [s, b, ng, hn], as the core attention views (b, heads) as one dim.
             key = head_mix(key, key_weight).contiguous()
             return key, head_mix(value, value_weight).contiguous()
@@ -77,7 +77,7 @@ class HeadMix(torch.nn.Module):
         # K and V travel in one collective, interleaved per head ([.., head, kv, hn]) so that the
         # returned key/value views keep (b, heads) mergeable without a copy.
         s, b = key.shape[:2]
-        world = get_pg_size(self.tp_group)
+        world = self.world_size
         kv = torch.stack([key, value], dim=-2).view(s * b, -1)  # [N, nc_loc*2*hn]
         kv = heads_to_tokens(kv, self.tp_group)  # [t_src, n_r, nc_loc*2*hn]
         shard = kv.shape[1]
@@ -86,7 +86,7 @@ class HeadMix(torch.nn.Module):
         # the composite axis as (destination rank, local composite): the einsum reads the
         # received buffer and writes the send buffer, with no permute materialised around it.
         mix = torch.stack([key_weight, value_weight])  # [2, nc, ng]
-        mix = mix.view(2, world, -1, world, self.num_groups // world)
+        mix = mix.view(2, world, -1, world, self.groups_per_rank)
         kv = torch.einsum("rnjkd,krjeh->enhkd", kv, mix)  # [t_dst, n_r, ng_loc, 2, hn]
         kv = tokens_to_heads(kv.contiguous().view(world, shard, -1), self.tp_group, s * b)
         kv = kv.view(s, b, -1, 2, self.head_dim)  # [s, b, ng_loc, 2, hn]
@@ -113,9 +113,9 @@ class HeadMix(torch.nn.Module):
         if self.duplicated:
             # Rows are split evenly, not by group: gather all of them, keep our query heads.
             rows = gather_rows(rows, self.tp_group).view(nc, heads_per_component + 2, hn, columns)
-            local_heads = num_heads // get_pg_size(self.tp_group)
+            local_heads = num_heads // self.world_size
             query = rows[:, :heads_per_component].reshape(num_heads, hn, columns)
-            start = get_pg_rank(self.tp_group) * local_heads
+            start = self.rank * local_heads
             query = query[start : start + local_heads]
             kv = rows[:, heads_per_component:]
         else:

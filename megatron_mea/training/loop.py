@@ -140,10 +140,13 @@ class Trainer:
             self.optimizer = build_optimizer(args, [self.model])
         self.scheduler = build_scheduler(args, self.optimizer)
         self.config.no_sync_func = self.model.no_sync
-        # The `weights` exchange folds once per step; the flush sends the micro-batches'
-        # gradients through the fold before Megatron reduces them.
-        enable_fold_cache(self.model.module)
-        self.config.finalize_model_grads_func = with_fold_flush(finalize_model_grads)
+        # Folded projections (MEA's `weights` exchange, `kha_fold_linear`) fold once per step;
+        # the flush sends the micro-batches' gradients through the fold before Megatron reduces
+        # them. Models without such layers keep Megatron's finalize untouched.
+        finalize = finalize_model_grads
+        if enable_fold_cache(self.model.module):
+            finalize = with_fold_flush(finalize_model_grads)
+        self.config.finalize_model_grads_func = finalize
         self.config.grad_scale_func = self.optimizer.scale_loss
 
         self.iteration, consumed = 0, 0
