@@ -14,6 +14,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_mea._optional import require
+from megatron_mea.compat import legacy_grouped_gemm_kwargs
 from megatron_mea.layers import KHASelfAttention, MEASelfAttention
 
 _ATTENTION_MODULES = {"standard": SelfAttention, "mea": MEASelfAttention, "kha": KHASelfAttention}
@@ -76,14 +77,15 @@ def get_gpt_layer_spec(
     Args:
         config: an `MEATransformerConfig` (a plain `TransformerConfig` gives standard attention).
         use_transformer_engine: TE modules (needs the `te` extra) or Megatron's local ones.
-        num_experts: MoE experts (default `config.num_moe_experts`; None for a dense layer).
+        num_experts: MoE experts. Default: `config.num_moe_experts`; 0 builds a dense layer.
         moe_grouped_gemm: default `config.moe_grouped_gemm`.
         qk_layernorm: default `config.qk_layernorm`.
         normalization: local backend only; default `config.normalization`.
         qk_l2_norm: L2-normalise q and k.
         use_te_op_fuser: TE backend only.
     """
-    num_experts = config.num_moe_experts if num_experts is None else num_experts
+    # Megatron's builders take None for "dense"; here None means "as the config says".
+    num_experts = config.num_moe_experts if num_experts is None else (num_experts or None)
     moe_grouped_gemm = config.moe_grouped_gemm if moe_grouped_gemm is None else moe_grouped_gemm
     qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
     common = dict(
@@ -91,9 +93,9 @@ def get_gpt_layer_spec(
         moe_grouped_gemm=moe_grouped_gemm,
         qk_layernorm=qk_layernorm,
         multi_latent_attention=config.multi_latent_attention,
-        moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm,
         qk_l2_norm=qk_l2_norm,
         use_kitchen=config.use_kitchen,
+        **legacy_grouped_gemm_kwargs(config),
     )
     if use_transformer_engine:
         require("transformer_engine", "use_transformer_engine=True")

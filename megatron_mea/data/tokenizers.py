@@ -1,17 +1,17 @@
 """Tokenizers for pretraining data: a byte-level one that needs no files, and a local HF wrapper.
 
-Both implement Megatron-Core's legacy tokenizer interface (`MegatronLegacyTokenizer` in
-`megatron.core.datasets.megatron_tokenizer`, called `MegatronTokenizer` before 0.16). That is the
-interface `GPTDatasetConfig` duck-types against: `vocab_size`, `eod` (document separator, used for
-masks and loss masking), `pad` (optional: when it raises, Megatron pads with -1, an id that never
-occurs in data) and `unique_identifiers` (hashed into the names of cached dataset indices).
+Both implement the interface Megatron-Core's `GPTDataset` duck-types against: `vocab_size`, `eod`
+(document separator, used for masks and loss masking), `pad` (optional: when it raises, Megatron
+pads with -1, an id that never occurs in data), plus `tokenize` / `detokenize` and
+`unique_identifiers` (what identifies the tokenizer in logs and cache names). They subclass no
+Megatron class: the tokenizer base classes moved between Megatron-Core releases
+(`datasets.megatron_tokenizer` in 0.16, `tokenizers` from 0.17), while the duck-typed interface did not.
 """
 
-import contextlib
+import json
 import logging
 import os
-
-from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
+from collections import OrderedDict
 
 logger = logging.getLogger(__name__)
 
@@ -19,29 +19,29 @@ logger = logging.getLogger(__name__)
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "HuggingFaceTokenizer")
 
 
-class _DropLegacyNotice(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "legacy tokenizer system" not in record.getMessage()
+class _Tokenizer:
+    """What the tokenizers share: identification by class, paths and options.
 
-
-@contextlib.contextmanager
-def _quiet_legacy_notice():
-    """Silence the base class's "legacy tokenizer system" warning while we construct.
-
-    The legacy interface is the one GPTDataset consumes; choosing it is deliberate here, so the
-    migration notice would only be noise. The filter is scoped to our constructors so other users of
-    legacy tokenizers still see it.
+    Args:
+        *paths: files or directories the tokenizer was loaded from.
+        **options: settings that change its output (recorded as strings).
     """
-    base_logger = logging.getLogger(MegatronLegacyTokenizer.__module__)
-    notice_filter = _DropLegacyNotice()
-    base_logger.addFilter(notice_filter)
-    try:
-        yield
-    finally:
-        base_logger.removeFilter(notice_filter)
+
+    def __init__(self, *paths: str, **options) -> None:
+        self.unique_identifiers = OrderedDict(
+            [("class", type(self).__name__), ("tokenizer_path", list(paths))]
+        )
+        for name, value in options.items():
+            self.unique_identifiers[name] = str(value)
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+
+    @property
+    def pad(self) -> int:
+        """No pad token by default: Megatron's datasets then pad with -1 and mask it out."""
+        raise NotImplementedError(f"{type(self).__name__} has no pad token")
 
 
-class ByteLevelTokenizer(MegatronLegacyTokenizer):
+class ByteLevelTokenizer(_Tokenizer):
     """UTF-8 bytes as tokens: ids 0..255 are the bytes, id 256 is the end-of-document token.
 
     Needs no model file, so it works anywhere. `pad` is deliberately not defined: Megatron's
@@ -59,8 +59,7 @@ class ByteLevelTokenizer(MegatronLegacyTokenizer):
     EOD_TEXT = "<eod>"
 
     def __init__(self) -> None:
-        with _quiet_legacy_notice():
-            super().__init__()
+        super().__init__()
         # Byte b is named chr(b) (its Latin-1 reading), so every byte has a distinct one-char name.
         self._vocab = {chr(b): b for b in range(self.NUM_BYTES)}
         self._vocab[self.EOD_TEXT] = self.EOD
@@ -120,7 +119,7 @@ class ByteLevelTokenizer(MegatronLegacyTokenizer):
         return self.EOD
 
 
-class HuggingFaceTokenizer(MegatronLegacyTokenizer):
+class HuggingFaceTokenizer(_Tokenizer):
     """A `transformers.AutoTokenizer` loaded from a local directory, never from the Hub.
 
     Mirrors Megatron-LM's `_HuggingFaceTokenizer`: `eod` is the tokenizer's eos token, `vocab_size`
@@ -152,12 +151,9 @@ class HuggingFaceTokenizer(MegatronLegacyTokenizer):
                 f"--tokenizer-model {model_dir!r} is not a local directory; HuggingFaceTokenizer "
                 "loads tokenizer files from disk only and never downloads from the Hub"
             )
-        with _quiet_legacy_notice():
-            super().__init__(
-                model_dir,
-                add_special_tokens=add_special_tokens,
-                trust_remote_code=trust_remote_code,
-            )
+        super().__init__(
+            model_dir, add_special_tokens=add_special_tokens, trust_remote_code=trust_remote_code
+        )
         self.model_dir = model_dir
         self._add_special_tokens = add_special_tokens
         self._tokenizer = transformers.AutoTokenizer.from_pretrained(

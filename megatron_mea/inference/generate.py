@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from megatron_mea.compat import materialize_only_last_token_logits
 from megatron_mea.inference.sampling import SamplingParams, sample_next_tokens
 
 logger = logging.getLogger(__name__)
@@ -145,7 +146,7 @@ def forward_step(model, tokens: torch.Tensor, start: int, context) -> torch.Tens
     logits = model(
         tokens, position_ids, None, inference_context=context, runtime_gather_output=True
     )
-    return logits[:, -1, :] if context.materialize_only_last_token_logits else logits
+    return logits[:, -1, :] if materialize_only_last_token_logits(context) else logits
 
 
 def generate(

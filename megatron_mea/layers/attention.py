@@ -116,8 +116,18 @@ class KHASelfAttention(_SplitSelfAttention):
         attn_mask_type=AttnMaskType.padding,
         cp_comm_type=None,
         pg_collection=None,
+        **megatron_kwargs,
     ):
-        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection)
+        # megatron_kwargs: what newer Megatron-Core layers also pass (`name`, `pp_layer_offset`).
+        super().__init__(
+            config,
+            submodules,
+            layer_number,
+            attn_mask_type,
+            cp_comm_type,
+            pg_collection,
+            **megatron_kwargs,
+        )
         self.knock = KnockingHeads(config, self.tp_group)
         if config.kha_fold_linear:
             self._enable_folded_projection()
@@ -176,6 +186,7 @@ class MEASelfAttention(_SplitSelfAttention):
         attn_mask_type=AttnMaskType.padding,
         cp_comm_type=None,
         pg_collection=None,
+        **megatron_kwargs,
     ):
         # Megatron sizes linear_qkv and the KV cache from num_query_groups: give it the component
         # count, then restore the real config for everything downstream of HLC.
@@ -183,7 +194,13 @@ class MEASelfAttention(_SplitSelfAttention):
         component_config = copy.copy(config)
         component_config.num_query_groups = self.num_components
         super().__init__(
-            component_config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection
+            component_config,
+            submodules,
+            layer_number,
+            attn_mask_type,
+            cp_comm_type,
+            pg_collection,
+            **megatron_kwargs,
         )
         self.config = config
         self.components_duplicated = self.num_components < self.world_size

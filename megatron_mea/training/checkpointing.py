@@ -19,6 +19,8 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factories
 from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_mea.compat import COMMON_STATE_FILE, COMMON_STATE_KEY
+
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -49,8 +51,9 @@ def verify_checkpoint(directory: str, model) -> None:
     """Refuse a partial, corrupt or foreign checkpoint before any collective load starts.
 
     Every rank runs the same checks on the same files, so all of them raise together instead of
-    some waiting forever in a collective. Checks: the directory and Megatron's `metadata.json` /
-    `common.pt` exist; every byte range the torch_dist index points at lies inside an existing
+    some waiting forever in a collective. Checks: the directory, Megatron's `metadata.json` and
+    the common state exist (a `common.pt` file up to Megatron-Core 0.16, a `common_state`
+    object in the index from 0.17); every byte range the torch_dist index points at lies inside an existing
     shard file (missing or truncated shards); the model tensors are exactly the ones this model
     expects, with the same global shapes (another model's checkpoint).
 
@@ -59,13 +62,21 @@ def verify_checkpoint(directory: str, model) -> None:
     """
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: checkpoint directory is missing")
-    for name in ("metadata.json", "common.pt", ".metadata"):
+    for name in ("metadata.json", ".metadata"):
         if not os.path.exists(os.path.join(directory, name)):
             raise CheckpointError(f"{os.path.join(directory, name)}: missing (partial checkpoint)")
     try:
         index = FileSystemReader(directory).read_metadata()
     except Exception as exc:  # unreadable index: report it as such, whatever torch raised
         raise CheckpointError(f"{os.path.join(directory, '.metadata')}: unreadable ({exc})") from exc
+    common_file = os.path.join(directory, COMMON_STATE_FILE)
+    if not os.path.exists(common_file) and not any(
+        key.startswith(COMMON_STATE_KEY) for key in index.state_dict_metadata
+    ):
+        raise CheckpointError(
+            f"{common_file}: missing, and no {COMMON_STATE_KEY!r} object in the index either "
+            "(partial checkpoint)"
+        )
     sizes = {}
     for item in index.storage_data.values():
         path = os.path.join(directory, item.relative_path)

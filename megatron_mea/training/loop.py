@@ -17,8 +17,8 @@ from megatron.core import parallel_state
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
-from megatron.core.utils import get_batch_on_this_cp_rank
 
+from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.cpu import apply_cpu_patches, cuda_device_to_cpu, init_cpu_rng_tracker
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.training import checkpointing
@@ -87,7 +87,7 @@ def _forward_step(data_iterator, model):
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
     batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     # Context parallelism: this rank's load-balanced chunks of the sequence (no-op at CP=1).
-    batch = get_batch_on_this_cp_rank(batch)
+    batch = batch_on_this_cp_rank(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(_masked_mean_loss, batch["loss_mask"])
 

@@ -1,13 +1,39 @@
 """The spec functions: standard = Megatron's own specs; variants swap only the attention class."""
 
+import dataclasses
+import functools
+
 import pytest
 from megatron.core.models.gpt import gpt_layer_specs as mcore
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_mea import get_gpt_decoder_block_spec, get_gpt_layer_spec
 from megatron_mea._optional import HAVE_TE
 from megatron_mea.layers import KHASelfAttention, MEASelfAttention
 from tests._models import tiny_config
+
+
+def _comparable(spec):
+    """`spec` with every `functools.partial` (Megatron-Core 0.17+ builds MLP specs as partials of
+    `MLP.as_mlp_submodule`, which compare by identity) replaced by its function and arguments."""
+    if isinstance(spec, functools.partial):
+        return ("partial", spec.func, _comparable(spec.args), _comparable(spec.keywords))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        fields = {f.name: _comparable(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        return (type(spec), fields)
+    if isinstance(spec, (list, tuple)):
+        return type(spec)(_comparable(item) for item in spec)
+    if isinstance(spec, dict):
+        return {key: _comparable(value) for key, value in spec.items()}
+    return spec
+
+
+def test_comparable_tells_different_partials_apart():
+    assert _comparable(functools.partial(max, 1)) == _comparable(functools.partial(max, 1))
+    assert _comparable(functools.partial(max, 1)) != _comparable(functools.partial(max, 2))
+    assert _comparable(functools.partial(max, a=1)) != _comparable(functools.partial(min, a=1))
 
 
 def test_standard_block_spec_is_megatrons(single_rank):
@@ -16,7 +42,7 @@ def test_standard_block_spec_is_megatrons(single_rank):
     theirs = mcore.get_gpt_decoder_block_spec(
         config, use_transformer_engine=False, normalization="RMSNorm"
     )
-    assert ours == theirs
+    assert _comparable(ours) == _comparable(theirs)
 
 
 def test_standard_layer_spec_is_megatrons():
@@ -26,7 +52,7 @@ def test_standard_layer_spec_is_megatrons():
         num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm,
         qk_layernorm=True, normalization="RMSNorm",
     )
-    assert ours == theirs
+    assert _comparable(ours) == _comparable(theirs)
 
 
 @pytest.mark.parametrize("variant,cls", [("mea", MEASelfAttention), ("kha", KHASelfAttention)])
@@ -39,18 +65,30 @@ def test_variant_block_spec_swaps_only_the_attention_of_every_layer(single_rank,
         assert mine.submodules.self_attention.module is cls
         assert stock.submodules.self_attention.module is SelfAttention
         assert mine.submodules.self_attention.submodules == stock.submodules.self_attention.submodules
-        assert mine.submodules.mlp == stock.submodules.mlp
+        assert _comparable(mine.submodules.mlp) == _comparable(stock.submodules.mlp)
     # The dense and the MoE layer keep their distinct MLPs.
-    assert ours.layer_specs[0].submodules.mlp != ours.layer_specs[1].submodules.mlp
+    dense, moe = (_comparable(layer.submodules.mlp) for layer in ours.layer_specs)
+    assert dense != moe
+
+
+def _mlp_class(mlp_spec) -> type:
+    """The module class an MLP spec builds: a ModuleSpec (0.16) or a partial (0.17+) of the class
+    or of its `as_mlp_submodule` classmethod."""
+    if isinstance(mlp_spec, functools.partial):
+        builder = mlp_spec.func
+        return getattr(builder, "__self__", builder)
+    return mlp_spec.module
 
 
 def test_layer_spec_reads_experts_and_qk_norm_from_the_config():
     config = tiny_config("kha")
     spec = get_gpt_layer_spec(config, use_transformer_engine=False)
     assert spec.submodules.self_attention.module is KHASelfAttention
-    assert "MoELayer" in spec.submodules.mlp.module.__name__
-    dense = get_gpt_layer_spec(config, use_transformer_engine=False, num_experts=None,
+    assert _mlp_class(spec.submodules.mlp) is MoELayer
+    assert spec.submodules.self_attention.submodules.q_layernorm.__name__ != "IdentityOp"
+    dense = get_gpt_layer_spec(config, use_transformer_engine=False, num_experts=0,
                                qk_layernorm=False)
+    assert _mlp_class(dense.submodules.mlp) is MLP
     assert dense.submodules.self_attention.submodules.q_layernorm.__name__ == "IdentityOp"
 
 

@@ -1,10 +1,12 @@
 """Crash-safe checkpoints, refusal of bad checkpoints, and the NaN policy (real processes)."""
 
 import os
+import pickle
 import shutil
 import signal
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from tests._dist import run_distributed
 
@@ -124,6 +126,23 @@ def saved_checkpoint(tmp_path_factory):
     return ckpt
 
 
+def _remove_common_state(iteration):
+    """Delete the checkpoint's common state in whichever layout it was written: the `common.pt`
+    file (Megatron-Core 0.16) or the `common_state` entry of the torch_dist index (0.17+)."""
+    common = os.path.join(iteration, "common.pt")
+    if os.path.exists(common):
+        os.remove(common)
+        return
+    index_path = os.path.join(iteration, ".metadata")
+    index = FileSystemReader(iteration).read_metadata()
+    keys = [key for key in index.state_dict_metadata if key.startswith("common_state")]
+    assert keys, "the checkpoint has neither common.pt nor a common_state entry"
+    for key in keys:
+        del index.state_dict_metadata[key]
+    with open(index_path, "wb") as handle:
+        pickle.dump(index, handle)  # the index format torch.distributed.checkpoint writes
+
+
 def _corrupt(saved, tmp_path, how):
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
@@ -134,8 +153,8 @@ def _corrupt(saved, tmp_path, how):
     elif how == "truncated shard":
         with open(shard, "r+b") as handle:
             handle.truncate(100)
-    elif how == "missing common.pt":
-        os.remove(os.path.join(iteration, "common.pt"))
+    elif how == "missing common state":
+        _remove_common_state(iteration)
     elif how == "bad pointer":
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
             handle.write("two")
@@ -147,7 +166,7 @@ def _corrupt(saved, tmp_path, how):
     [
         ("missing shard", r"__0_0.distcp: shard file is missing"),
         ("truncated shard", r"__0_0.distcp: truncated \(100 bytes"),
-        ("missing common.pt", r"common.pt: missing \(partial checkpoint\)"),
+        ("missing common state", r"common.pt: missing, and no 'common_state' object in the index"),
         ("bad pointer", r"latest_checkpointed_iteration.txt: expected an iteration number"),
     ],
 )
