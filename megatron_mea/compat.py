@@ -8,7 +8,8 @@ The rest of the package calls these helpers and never branches on Megatron's ver
 What changed after 0.16.1, and the helper that absorbs it:
 - `get_gpt_layer_*_spec` and `TransformerConfig` dropped `moe_use_legacy_grouped_gemm`
   (0.17): :func:`legacy_grouped_gemm_kwargs`.
-- `get_batch_on_this_cp_rank` gained a required `is_hybrid_cp` argument:
+- `get_batch_on_this_cp_rank` gained a required `is_hybrid_cp` argument, and without a
+  `cp_group` it now slices over the whole world instead of the CP group:
   :func:`batch_on_this_cp_rank`.
 - `StaticInferenceContext.materialize_only_last_token_logits` moved to `context.config`:
   :func:`materialize_only_last_token_logits`.
@@ -69,11 +70,14 @@ def batch_on_this_cp_rank(batch: dict) -> dict:
     Returns:
         The batch sliced to this CP rank's chunks (unchanged at CP=1).
     """
-    from megatron.core import utils
+    from megatron.core import parallel_state, utils
 
+    # The CP group goes in explicitly: from 0.17 a missing `cp_group` means the default (WORLD)
+    # group, which would split every sequence over the TP / DP / EP ranks at CP=1.
+    cp_group = parallel_state.get_context_parallel_group()
     if _accepts(utils.get_batch_on_this_cp_rank, "is_hybrid_cp"):
-        return utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp=False)
-    return utils.get_batch_on_this_cp_rank(batch)
+        return utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return utils.get_batch_on_this_cp_rank(batch, cp_group=cp_group)
 
 
 def materialize_only_last_token_logits(context) -> bool:

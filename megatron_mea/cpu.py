@@ -1,71 +1,70 @@
-"""Run Megatron-Core 0.16.1 on CPU (gloo) for tests: the patches, applied only where CUDA is absent.
+"""Megatron-Core on a CPU-only torch (gloo): a scoped, reversible set of patches.
 
-Megatron-Core assumes a GPU in many places. :func:`apply_cpu_patches` fixes the few that a
-GPTModel (local spec, TP + SP + EP, MoE), ``dist_checkpointing`` and the non-distributed fp32
-optimizer hit on a CPU-only torch. It does nothing when ``torch.cuda.is_available()``, so
-behaviour on a GPU never changes. Paths are relative to ``megatron/core`` in 0.16.1.
+Megatron-Core assumes a GPU in many places. Inside :func:`megatron_on_cpu` the few places that
+a GPTModel (local spec, TP + SP + EP, MoE), ``dist_checkpointing`` and the non-distributed fp32
+optimizer hit are patched; on leaving it every patched attribute gets its original value back.
+With CUDA available it patches nothing, so behaviour on a GPU never changes. Only entry points
+(the CLIs) and tests enter it; library functions never do. Each patch checks that the attribute
+it replaces exists and fails naming it if a Megatron-Core release removed it.
 
-P1 ``torch.cuda.current_device`` returns ``torch.device("cpu")``.
+Paths are relative to ``megatron/core``; "0.16" is 0.16.1, "0.19" is 0.19.2.
+
+P1 ``torch.cuda.current_device`` returns ``torch.device("cpu")`` (0.16, 0.19).
    Symptom: ``AssertionError: Torch not compiled with CUDA enabled``. Megatron calls it about
-   175 times as a *device* argument (``transformer/moe/router.py:90``,
-   ``tensor_parallel/mappings.py:91``, ``utils.py:631``...). Safe: without CUDA the original
-   can only raise.
-P2 ``moe_utils.te_general_gemm = None`` when Transformer Engine is absent.
+   175 times as a *device* argument (``transformer/moe/router.py:90`` in 0.16, ``:98`` in 0.19,
+   ``tensor_parallel/mappings.py``, ``utils.py``...). Safe: without CUDA the original can only
+   raise.
+P2 ``moe_utils.te_general_gemm = None`` when Transformer Engine is absent (0.16 only).
    Symptom: ``NameError: te_general_gemm`` in the router gating (``moe_utils.py:1192,1225``);
-   the name is bound only under ``try: import transformer_engine`` (``moe_utils.py:22-39``).
+   0.16 binds the name only under ``try: import transformer_engine``. 0.19 binds it to None
+   itself (``moe_utils.py:41-53``), so the patch does nothing there.
    Safe: ``None`` selects the torch matmul already written there.
 P3 ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` return a no-op CPU stream, and
-   ``torch.cuda.synchronize`` is a no-op. Symptom: ``RuntimeError: torch.cuda.Stream requires
-   CUDA support`` in the alltoall dispatcher (``transformer/moe/token_dispatcher.py:445,871-874,
-   895,899``); ``Torch not compiled with CUDA enabled`` from ``dist_checkpointing.save``
-   (``dist_checkpointing/strategies/filesystem_async.py:230``, also ``async_utils.py:212``,
-   ``fully_parallel.py:272,281``). Safe: CPU ops run in order, so a stream whose events are
-   already complete, and a synchronize that waits for nothing, are exact. ``torch.cpu.Stream``
-   is not enough: its ``record_event()`` returns None, on which the dispatcher calls
-   ``.synchronize()``.
+   ``torch.cuda.synchronize`` is a no-op (0.16, 0.19). Symptom: ``RuntimeError: torch.cuda.Stream
+   requires CUDA support`` in the alltoall dispatcher (``transformer/moe/token_dispatcher.py:445``
+   in 0.16, ``:469,922-925`` in 0.19); ``Torch not compiled with CUDA enabled`` from
+   ``dist_checkpointing.save`` (``strategies/filesystem_async.py``, ``async_utils.py``,
+   ``fully_parallel.py``). Safe: CPU ops run in order, so a stream whose events are already
+   complete, and a synchronize that waits for nothing, are exact. ``torch.cpu.Stream`` is not
+   enough: its ``record_event()`` returns None, on which the dispatcher calls ``.synchronize()``.
 P4 (no patch) ``model_parallel_cuda_manual_seed(seed)`` fails: ``CudaRNGStatesTracker.add``
-   calls ``torch.cuda.get_rng_state`` (``tensor_parallel/random.py:235``), and without a
-   tracker ``fork()`` raises "cuda rng state ... is not added" (``random.py:248``). Use
-   :func:`init_cpu_rng_tracker` instead; its ``fork()`` is a null context, so dropout inside
-   TP regions draws from the global CPU generator (tests use dropout 0).
-P5 ``WrappedTorchNorm`` (``transformer/torch_norm.py:32``) accepts ``sequence_parallel``.
+   calls ``torch.cuda.get_rng_state`` (``tensor_parallel/random.py``), and without a tracker
+   ``fork()`` raises "cuda rng state ... is not added". Use :func:`init_cpu_rng_tracker`
+   instead; its ``fork()`` is a null context, so dropout inside TP regions draws from the global
+   CPU generator (tests use dropout 0).
+P5 ``WrappedTorchNorm`` (``transformer/torch_norm.py``) accepts ``sequence_parallel`` (0.16, 0.19).
    Symptom: ``AssertionError: sequence parallel not supported by torch LayerNorm``. A norm acts
    per token, so a sequence shard needs no change in forward; only the weight grads are partial
    per TP rank. The built norm's params get ``sequence_parallel = True``, as Megatron's
-   ``FusedLayerNorm`` (``fusions/fused_layer_norm.py:119``) and TE's norms do, so
-   ``finalize_model_grads`` (``distributed/finalize_model_grads.py:354``) all-reduces them over
-   TP. Safe: only the SP case, which used to raise, changes. Verified: TP=2+SP and TP=1 give the
-   same losses and grad norms over 3 optimizer steps.
-P6 ``filesystem_async._process_memory`` returns 0, only when psutil is missing.
-   Symptom: ``dist_checkpointing.save`` hangs: the forked writer raises at
-   ``dist_checkpointing/strategies/filesystem_async.py:366,642`` and the parent waits forever.
-   Safe: the value is only logged at debug level (``:415``).
-P7 ``token_dispatcher.maybe_move_tensor_to_cpu`` honours ``as_numpy`` for CPU tensors.
+   ``FusedLayerNorm`` and TE's norms do, so ``finalize_model_grads`` all-reduces them over TP.
+   Safe: only the SP case, which used to raise, changes. Norms built inside the context keep
+   the marks after it ends.
+P6 ``filesystem_async._process_memory`` returns 0, only when psutil is missing (0.16, 0.19).
+   Symptom: ``dist_checkpointing.save`` hangs: the forked writer raises and the parent waits
+   forever. Safe: the value is only logged at debug level.
+P7 ``token_dispatcher.maybe_move_tensor_to_cpu`` honours ``as_numpy`` for CPU tensors (0.16, 0.19).
    Symptom: ``TypeError: all_to_all_single(): incompatible function arguments``: the original
-   (``moe_utils.py:1093``) converts only CUDA tensors, so the split sizes stay tensors.
-   Safe: CUDA tensors still take the original path.
+   (``moe_utils.py:1093`` in 0.16, ``:1169`` in 0.19) converts only CUDA tensors, so the split
+   sizes stay tensors. Safe: CUDA tensors still take the original path.
 P8 ``fused_softmax.get_default_causal_mask`` / ``get_sliding_window_causal_mask`` build the
-   mask on CPU. Symptom: ``attention_mask=None`` into the local ``DotProductAttention`` hits
-   ``device="cuda"`` (``fusions/fused_softmax.py:322,327`` -> ``transformer/utils.py:35,40``).
-   Safe: the original runs, under :func:`cuda_device_to_cpu`.
+   mask on CPU (0.16, 0.19). Symptom: ``attention_mask=None`` into the local
+   ``DotProductAttention`` hits ``device="cuda"`` (``transformer/utils.py:35,40`` in 0.16,
+   ``:37,42`` in 0.19). Safe: the original runs, under :func:`cuda_device_to_cpu`.
 P9 ``clip_grad_by_total_norm_fp32`` without the ``'torch.cuda.FloatTensor'`` assert
-   (``optimizer/clip_grads.py:167``), rebound where ``optimizer/optimizer.py:50`` imported it;
-   same scaling, the dtype check kept as fp32. The other optimizer / clip / checkpoint-exchange
-   code creates tensors with ``device='cuda'`` (``optimizer/optimizer.py:473,481,485,907``,
-   ``optimizer/clip_grads.py:90,103,115,174,207``, ``utils.py:1207``,
-   ``dist_checkpointing/exchange_utils.py:104,110,326``,
-   ``dist_checkpointing/strategies/state_dict_saver.py:204``, ``tensor_parallel/data.py:37``):
-   run those calls inside :func:`cuda_device_to_cpu` rather than patching each one.
+   (``optimizer/clip_grads.py:167`` in 0.16, ``:174`` in 0.19), rebound where
+   ``optimizer/optimizer.py`` imported it; same scaling, the dtype check kept as fp32. The other
+   optimizer / clip / checkpoint-exchange code creates tensors with ``device='cuda'``: run those
+   calls inside :func:`cuda_device_to_cpu` rather than patching each one.
 
-Setup in a CPU test process (gloo, one process per rank)::
+Setup in a CPU process (gloo, one process per rank)::
 
-    apply_cpu_patches()                      # before building any model
-    torch.distributed.init_process_group("gloo", ...)
-    parallel_state.initialize_model_parallel(...)
-    init_cpu_rng_tracker(seed)               # instead of model_parallel_cuda_manual_seed
-    model = GPTModel(config(use_cpu_initialization=True, ...))
-    with cuda_device_to_cpu():               # optimizer build + step, fully-parallel dist-ckpt
-        opt = get_megatron_optimizer(...); ...; opt.step()
+    with megatron_on_cpu():                      # before building any model
+        torch.distributed.init_process_group("gloo", ...)
+        parallel_state.initialize_model_parallel(...)
+        init_cpu_rng_tracker(seed)               # instead of model_parallel_cuda_manual_seed
+        model = GPTModel(config(use_cpu_initialization=True, ...))
+        with cuda_device_to_cpu():               # optimizer build + step, fully-parallel dist-ckpt
+            opt = get_megatron_optimizer(...); ...; opt.step()
 """
 
 import contextlib
@@ -77,9 +76,10 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["apply_cpu_patches", "cuda_device_to_cpu", "init_cpu_rng_tracker"]
+__all__ = ["cuda_device_to_cpu", "init_cpu_rng_tracker", "megatron_on_cpu"]
 
-_applied = False
+_MISSING = object()
+_depth = 0  # how many megatron_on_cpu blocks are open; only the outermost patches
 
 
 def _is_cuda(device) -> bool:
@@ -177,31 +177,69 @@ class _SequenceParallelOff:
         return getattr(self._config, name)
 
 
-def _p1_current_device() -> None:
+class _Patcher:
+    """Sets attributes and records how to undo each on the given exit stack."""
+
+    def __init__(self, undo: contextlib.ExitStack):
+        self._undo = undo
+
+    @staticmethod
+    def get(owner, name: str):
+        """`owner.name` as stored on `owner` itself (a class's own `__dict__` entry).
+
+        Raises:
+            AttributeError: if `owner` has no `name` (a Megatron-Core release moved it).
+        """
+        if isinstance(owner, type):
+            value = owner.__dict__.get(name, _MISSING)
+        else:
+            value = getattr(owner, name, _MISSING)
+        if value is _MISSING:
+            from megatron_mea.compat import MEGATRON_CORE_VERSION
+
+            raise AttributeError(
+                f"{getattr(owner, '__name__', owner)}.{name} does not exist in Megatron-Core "
+                f"{MEGATRON_CORE_VERSION}: megatron_mea.cpu must be updated for this release"
+            )
+        return value
+
+    def replace(self, owner, name: str, value) -> None:
+        """Replace the existing `owner.name` with `value` until the context closes."""
+        original = self.get(owner, name)
+        setattr(owner, name, value)
+        self._undo.callback(setattr, owner, name, original)
+
+    def add(self, owner, name: str, value) -> None:
+        """Bind the absent `owner.name` to `value` until the context closes."""
+        setattr(owner, name, value)
+        self._undo.callback(delattr, owner, name)
+
+
+def _p1_current_device(patch: _Patcher) -> None:
     # The whole process is CPU-only, so this stand-in cannot hide a GPU.
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    patch.replace(torch.cuda, "current_device", lambda: torch.device("cpu"))
 
 
-def _p2_te_general_gemm() -> None:
+def _p2_te_general_gemm(patch: _Patcher) -> None:
     from megatron.core.transformer.moe import moe_utils
 
-    # The name is unbound exactly when the TE import failed; never shadow a real one.
+    # 0.16 leaves the name unbound exactly when the TE import failed; never shadow a real one.
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        patch.add(moe_utils, "te_general_gemm", None)
 
 
-def _p3_streams() -> None:
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda device=None: None
+def _p3_streams(patch: _Patcher) -> None:
+    patch.replace(torch.cuda, "Stream", _CpuStream)
+    patch.replace(torch.cuda, "current_stream", lambda device=None: _CPU_STREAM)
+    patch.replace(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
+    patch.replace(torch.cuda, "synchronize", lambda device=None: None)
 
 
-def _p5_sequence_parallel_torch_norm() -> None:
+def _p5_sequence_parallel_torch_norm(patch: _Patcher) -> None:
     # Build the torch norm as without SP, then mark its params as TENorm would.
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    original_new = WrappedTorchNorm.__new__
+    original_new = patch.get(WrappedTorchNorm, "__new__").__func__
 
     def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
         if not config.sequence_parallel:
@@ -211,33 +249,33 @@ def _p5_sequence_parallel_torch_norm() -> None:
             param.sequence_parallel = config.sequence_parallel
         return norm
 
-    WrappedTorchNorm.__new__ = staticmethod(__new__)
+    patch.replace(WrappedTorchNorm, "__new__", staticmethod(__new__))
 
 
-def _p6_process_memory() -> None:
+def _p6_process_memory(patch: _Patcher) -> None:
     # Without psutil the async writer dies before reporting, and the save never returns.
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if not filesystem_async.HAVE_PSUTIL:
         logger.warning("psutil is missing: dist-ckpt writer memory logging reports 0")
-        filesystem_async._process_memory = lambda: 0
+        patch.replace(filesystem_async, "_process_memory", lambda: 0)
 
 
-def _p7_split_sizes_as_numpy() -> None:
+def _p7_split_sizes_as_numpy(patch: _Patcher) -> None:
     # The dispatcher imported the helper by name, so rebind it in the dispatcher's module.
     from megatron.core.transformer.moe import token_dispatcher
 
-    original = token_dispatcher.maybe_move_tensor_to_cpu
+    original = patch.get(token_dispatcher, "maybe_move_tensor_to_cpu")
 
     def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
         if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
             return tensor.detach().numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    patch.replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
 
 
-def _p8_cpu_causal_masks() -> None:
+def _p8_cpu_causal_masks(patch: _Patcher) -> None:
     # fused_softmax imported both helpers by name; run the originals with cuda -> cpu.
     from megatron.core.fusions import fused_softmax
 
@@ -248,13 +286,11 @@ def _p8_cpu_causal_masks() -> None:
 
         return wrapper
 
-    fused_softmax.get_default_causal_mask = on_cpu(fused_softmax.get_default_causal_mask)
-    fused_softmax.get_sliding_window_causal_mask = on_cpu(
-        fused_softmax.get_sliding_window_causal_mask
-    )
+    for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
+        patch.replace(fused_softmax, name, on_cpu(patch.get(fused_softmax, name)))
 
 
-def _p9_clip_grads() -> None:
+def _p9_clip_grads(patch: _Patcher) -> None:
     # The only CUDA-specific thing in clipping is a type assert; keep its dtype meaning.
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as megatron_optimizer
@@ -275,8 +311,8 @@ def _p9_clip_grads() -> None:
         if clip_coeff < 1.0 and grads:
             torch._foreach_mul_(grads, clip_coeff)
 
-    clip_grads.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
-    megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+    for module in (clip_grads, megatron_optimizer):
+        patch.replace(module, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)
 
 
 _PATCHES = (
@@ -291,19 +327,31 @@ _PATCHES = (
 )
 
 
-def apply_cpu_patches() -> bool:
-    """Patch Megatron-Core so it runs on CPU; returns whether the patches are in effect.
+@contextlib.contextmanager
+def megatron_on_cpu() -> Iterator[bool]:
+    """Run the block with Megatron-Core patched for a CPU-only torch; yields whether it is.
 
-    Returns False and changes nothing when CUDA is available. Idempotent. Call it before
-    building models (P5 acts at construction time). See the module docstring for each patch.
+    Yields False and patches nothing when CUDA is available. Blocks may nest: only the outermost
+    one patches and restores. Enter it before building models (P5 acts at construction time)
+    and keep it open while they run (P1, P3 and P7 act in forward). See the module docstring
+    for each patch.
+
+    Raises:
+        AttributeError: if an attribute a patch replaces is missing (another Megatron-Core).
     """
-    global _applied
+    global _depth
     if torch.cuda.is_available():
         logger.debug("CUDA is available: Megatron-Core CPU patches not applied")
-        return False
-    if not _applied:
-        for patch in _PATCHES:
-            patch()
-        _applied = True
-        logger.info("Megatron-Core CPU patches applied: %s", [p.__name__ for p in _PATCHES])
-    return True
+        yield False
+        return
+    with contextlib.ExitStack() as undo:
+        if _depth == 0:
+            patcher = _Patcher(undo)
+            for patch in _PATCHES:
+                patch(patcher)
+            logger.info("Megatron-Core CPU patches applied: %s", [p.__name__ for p in _PATCHES])
+        _depth += 1
+        try:
+            yield True
+        finally:
+            _depth -= 1

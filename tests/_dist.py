@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_mea.cpu import megatron_on_cpu
+
 
 def free_port() -> int:
     """A TCP port on the loopback interface that is free right now."""
@@ -27,7 +29,8 @@ def _entry(rank, world_size, port, out_dir, fn, args):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     try:
-        result = fn(rank, world_size, *args)
+        with megatron_on_cpu():  # each rank is a fresh interpreter: an entry point
+            result = fn(rank, world_size, *args)
         torch.save({"ok": result}, os.path.join(out_dir, f"rank{rank}.pt"))
     except BaseException:  # noqa: B902 -- report any failure of the rank to the parent
         torch.save({"error": traceback.format_exc()}, os.path.join(out_dir, f"rank{rank}.pt"))

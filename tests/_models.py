@@ -8,7 +8,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_mea import MEATransformerConfig, get_gpt_decoder_block_spec
-from megatron_mea.cpu import apply_cpu_patches, init_cpu_rng_tracker
+from megatron_mea.cpu import init_cpu_rng_tracker
 
 VOCAB = 96
 SEQ = 16
@@ -80,8 +80,7 @@ def build_gpt(config, seed=1234):
 
 
 def init_parallel(tp=1, ep=1, seed=1234):
-    """Patch Megatron for CPU, join the gloo group (env from tests/_dist.py) and set TP/EP."""
-    apply_cpu_patches()
+    """Join the gloo group (env from tests/_dist.py) and set TP/EP (inside megatron_on_cpu)."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     parallel_state.destroy_model_parallel()

@@ -6,9 +6,18 @@ import warnings
 import pytest
 import torch
 
+from megatron_mea.cpu import megatron_on_cpu
 from tests._dist import free_port
 
 warnings.filterwarnings("ignore", message="Apex is not installed")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _megatron_on_cpu():
+    """The in-process tests run as one entry point: Megatron-Core patched for CPU throughout
+    (nothing is patched where CUDA exists). Spawned ranks enter it themselves (tests/_dist.py)."""
+    with megatron_on_cpu():
+        yield
 
 
 @pytest.fixture(scope="session")

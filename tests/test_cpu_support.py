@@ -1,42 +1,92 @@
-"""megatron_mea.cpu: applied only without CUDA, idempotent, and what it patches works."""
+"""megatron_mea.cpu: scoped and reversible, applied only without CUDA, and what it patches works."""
 
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from megatron_mea.cpu import apply_cpu_patches, cuda_device_to_cpu
+from megatron_mea.cpu import cuda_device_to_cpu, megatron_on_cpu
+
+
+def _run(code: str) -> str:
+    """Run `code` in a fresh interpreter (no test session's patches) and return its stdout."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
 
 _WITH_CUDA = """
 import torch
 torch.cuda.is_available = lambda: True
 original = torch.cuda.current_device
-from megatron_mea.cpu import apply_cpu_patches
+from megatron_mea.cpu import megatron_on_cpu
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 new = WrappedTorchNorm.__new__
-assert apply_cpu_patches() is False
-assert torch.cuda.current_device is original
-assert WrappedTorchNorm.__new__ is new
+with megatron_on_cpu() as patched:
+    assert patched is False
+    assert torch.cuda.current_device is original
+    assert WrappedTorchNorm.__new__ is new
 print("untouched")
 """
 
 
 def test_nothing_is_patched_when_cuda_is_available():
-    out = subprocess.run([sys.executable, "-c", _WITH_CUDA], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "untouched" in out.stdout
+    assert "untouched" in _run(_WITH_CUDA)
 
 
-def test_patches_apply_once_without_cuda():
-    assert apply_cpu_patches() is True
-    patched = torch.cuda.current_device
-    assert apply_cpu_patches() is True
-    assert torch.cuda.current_device is patched
-    assert patched() == torch.device("cpu")
+_REVERSIBLE = """
+import torch
+from megatron.core.fusions import fused_softmax
+from megatron.core.optimizer import optimizer
+from megatron.core.transformer.moe import token_dispatcher
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron_mea.cpu import megatron_on_cpu
+
+def snapshot():
+    return (torch.cuda.current_device, torch.cuda.Stream, torch.cuda.synchronize,
+            WrappedTorchNorm.__dict__["__new__"], token_dispatcher.maybe_move_tensor_to_cpu,
+            fused_softmax.get_default_causal_mask, optimizer.clip_grad_by_total_norm_fp32)
+
+before = snapshot()
+with megatron_on_cpu() as patched:
+    assert patched is True
+    inside = snapshot()
+    assert all(a is not b for a, b in zip(before, inside))
+    assert torch.cuda.current_device() == torch.device("cpu")
+    with megatron_on_cpu():  # nested: nothing re-patched, nothing restored early
+        assert snapshot() == inside
+    assert snapshot() == inside
+assert snapshot() == before
+print("restored")
+"""
+
+
+def test_patches_are_undone_when_the_outermost_block_ends():
+    assert "restored" in _run(_REVERSIBLE)
+
+
+_MISSING = """
+import torch
+from megatron.core.transformer.moe import token_dispatcher
+from megatron_mea.cpu import megatron_on_cpu
+original = torch.cuda.current_device
+del token_dispatcher.maybe_move_tensor_to_cpu
+try:
+    with megatron_on_cpu():
+        pass
+except AttributeError as exc:
+    print(exc)
+assert torch.cuda.current_device is original  # the patches made before the failure are undone
+"""
+
+
+def test_a_missing_patch_target_is_named():
+    out = _run(_MISSING)
+    assert "maybe_move_tensor_to_cpu does not exist in Megatron-Core" in out
 
 
 def test_cuda_device_arguments_become_cpu_inside_the_context():
-    apply_cpu_patches()
     with cuda_device_to_cpu():
         a = torch.zeros(3, device="cuda")
         b = torch.ones(2, device=torch.device("cuda", 0)).to("cuda")
@@ -44,14 +94,16 @@ def test_cuda_device_arguments_become_cpu_inside_the_context():
     assert {a.device.type, b.device.type, c.device.type} == {"cpu"}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU patch P5")
 def test_sequence_parallel_torch_norm_marks_its_params(single_rank):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     from tests._models import tiny_config
 
-    config = tiny_config()
-    config.sequence_parallel = True  # as at TP>1; the norm itself does not look at TP
-    norm = WrappedTorchNorm(config, 64)
+    with megatron_on_cpu():
+        config = tiny_config()
+        config.sequence_parallel = True  # as at TP>1; the norm itself does not look at TP
+        norm = WrappedTorchNorm(config, 64)
     assert all(p.sequence_parallel for p in norm.parameters())
     x = torch.randn(4, 2, 64)
     torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-5))

@@ -21,6 +21,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_mea.cpu import megatron_on_cpu  # noqa: E402 (after the path set-up)
+
 VARIANTS = {
     "baseline": dict(attention_variant="standard"),
     "mea": dict(attention_variant="mea", mea_mix_init="normal"),
@@ -72,6 +74,7 @@ def _model(run_args, variant):
     return build_model(args, transformer_config(args), pre_process=True, post_process=True)
 
 
+@megatron_on_cpu()
 def main(argv=None) -> int:
     """Run the grid and print one line per (context length, variant)."""
     opts = build_parser().parse_args(argv)

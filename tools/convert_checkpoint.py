@@ -29,6 +29,8 @@ import sys
 
 import torch
 
+from megatron_mea.cpu import megatron_on_cpu
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
@@ -161,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@megatron_on_cpu()
 def main(argv=None) -> int:
     """Run one conversion; returns the exit status."""
     args = build_parser().parse_args(argv)

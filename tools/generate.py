@@ -18,6 +18,8 @@ import sys
 # Run from a checkout without installing: the repository root holds the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_mea.cpu import megatron_on_cpu  # noqa: E402 (after the path set-up)
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
@@ -48,6 +50,7 @@ def _prompts(args) -> list:
     return prompts
 
 
+@megatron_on_cpu()
 def main(argv=None) -> int:
     """Load, generate, print; returns the exit code."""
     parser = build_parser()

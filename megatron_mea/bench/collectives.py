@@ -10,6 +10,7 @@ import os
 import socket
 
 from megatron_mea.bench.steps import LayerStep, quiet_warnings
+from megatron_mea.cpu import megatron_on_cpu
 
 
 def expected_extra_bytes(args, variant, layer, tp: int) -> int:
@@ -42,20 +43,20 @@ def expected_extra_bytes(args, variant, layer, tp: int) -> int:
     return replicated + activation_exchange_elements(shape, tokens) * element
 
 
+@megatron_on_cpu()  # a spawned process: an entry point of its own
 def count_bytes_worker(rank, world_size, port, args, out_dir):
     """One rank of the byte count: every variant's layer at TP=world_size with SP, fp32 on CPU."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_mea.cpu import apply_cpu_patches, init_cpu_rng_tracker
+    from megatron_mea.cpu import init_cpu_rng_tracker
     from megatron_mea.parallel.comm_counter import CollectiveCounter
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     quiet_warnings()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    apply_cpu_patches()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
     init_cpu_rng_tracker(args.seed)
     args = argparse.Namespace(**{**vars(args), "device": "cpu", "bf16": False,

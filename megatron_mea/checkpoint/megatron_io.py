@@ -136,11 +136,11 @@ def _free_port() -> int:
 def converter_process() -> Iterator[None]:
     """Run the block in a gloo world of one process with Megatron's parallel state at size 1.
 
-    Reuses an initialised world of one (as the tests' `single_rank` fixture sets up).
+    Reuses an initialised world of one (as the tests' `single_rank` fixture sets up). Without
+    CUDA, call it inside `megatron_mea.cpu.megatron_on_cpu()` (the converter CLI does).
     """
-    from megatron_mea.cpu import apply_cpu_patches, init_cpu_rng_tracker
+    from megatron_mea.cpu import init_cpu_rng_tracker
 
-    apply_cpu_patches()
     own_group = not dist.is_initialized()
     if own_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

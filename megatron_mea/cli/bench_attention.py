@@ -26,6 +26,7 @@ import sys
 import time
 
 from megatron_mea.bench.collectives import count_bytes, free_port
+from megatron_mea.cpu import megatron_on_cpu
 from megatron_mea.bench.steps import VARIANTS, LayerStep, ModelStep, layer_flops, quiet_warnings
 
 
@@ -163,13 +164,15 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+@megatron_on_cpu()
 def main(argv=None) -> int:
+    """Time the variants, count their collectives, print the table; returns the exit code."""
     args = build_parser().parse_args(argv)
     quiet_warnings()
     import torch
 
     from megatron_mea._optional import require
-    from megatron_mea.cpu import apply_cpu_patches, init_cpu_rng_tracker
+    from megatron_mea.cpu import init_cpu_rng_tracker
 
     if args.transformer_engine:
         require("transformer_engine", "--transformer-engine")
@@ -186,7 +189,6 @@ def main(argv=None) -> int:
 
     # Always a world of one on a fresh port (an inherited MASTER_PORT may be in use).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    apply_cpu_patches()
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     init_cpu_rng_tracker(args.seed)

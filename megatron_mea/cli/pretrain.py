@@ -8,7 +8,10 @@ Launch with torchrun on one or many nodes (NCCL on GPUs, gloo on CPU), or plainl
 import logging
 import sys
 
+from megatron_mea.cpu import megatron_on_cpu
 
+
+@megatron_on_cpu()
 def main(argv=None) -> int:
     """Parse and validate the arguments (before anything starts), then train."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

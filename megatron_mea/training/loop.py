@@ -19,7 +19,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
 from megatron_mea.compat import batch_on_this_cp_rank
-from megatron_mea.cpu import apply_cpu_patches, cuda_device_to_cpu, init_cpu_rng_tracker
+from megatron_mea.cpu import cuda_device_to_cpu, init_cpu_rng_tracker
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.training import checkpointing
 from megatron_mea.training.arguments import PretrainArgs, save_config
@@ -43,10 +43,11 @@ class TrainingStopped(RuntimeError):
 
 
 def initialize(args: PretrainArgs) -> None:
-    """Process group (NCCL on GPUs, gloo on CPU), Megatron's parallel state and seeds."""
+    """Process group (NCCL on GPUs, gloo on CPU), Megatron's parallel state and seeds.
+
+    Without CUDA, call it inside `megatron_mea.cpu.megatron_on_cpu()` (the CLIs do).
+    """
     on_gpu = torch.cuda.is_available()
-    if not on_gpu:
-        apply_cpu_patches()
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:  # a plain `python -m`: a world of one
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
