@@ -8,7 +8,10 @@
 #   NODE_RANK, MASTER_ADDR, MASTER_PORT   multi only (MASTER_PORT default 6000)
 #   PRECISION       bf16 (default) | fp8 (E4M3, blockwise scaling: Hopper's FP8 recipe)
 #   DRY_RUN=1       validate every argument (no GPU, no Megatron-LM) and print the launch command
-#   MEGATRON_LM_DIR Megatron-LM checkout at tag core_v0.16.1 (put on PYTHONPATH)
+#   MEGATRON_LM_TAG Megatron-LM tag the dry run validates against, core_v0.16.1 or core_v0.19.0
+#                   (default: the one matching the installed megatron-core: 0.16.x or >= 0.17)
+#   MEGATRON_LM_DIR Megatron-LM checkout at tag core_v0.16.1 (megatron-core 0.16.x) or
+#                   core_v0.19.0 (megatron-core 0.19.x), put on PYTHONPATH
 #   SBATCH_ARGS     extra sbatch options (account, partition, time), e.g. "-A proj -p batch"
 #   PYTHON          python for the dry run (default python3)
 
@@ -34,7 +37,7 @@ WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
 
 # precision_args: the BF16 or FP8 switch. FP8 keeps BF16 master/activation dtypes and runs the
 # TE linears (qkv, proj, experts) in E4M3 with 1x128/128x128 block scales (TE >= 2.3, Hopper);
-# the plugin's small ops stay in BF16 (SPEC section 4).
+# the plugin's small ops stay in BF16 (see docs/decisions.md, "Precision and FP8").
 precision_args() {
     case "$PRECISION" in
         bf16) PRECISION_ARGS=(--bf16) ;;
@@ -82,7 +85,8 @@ launch() {
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "launch ($LAUNCH, $NNODES node(s) x $GPUS_PER_NODE GPUs):"
         echo "  torchrun ${torchrun_args[*]} $ENTRY <${#@} argument tokens>"
-        "$PYTHON" -m megatron_mea.cli.dry_run --world-size "$WORLD_SIZE" -- "$@"
+        "$PYTHON" -m megatron_mea.cli.dry_run --world-size "$WORLD_SIZE" \
+            ${MEGATRON_LM_TAG:+--megatron-lm-tag "$MEGATRON_LM_TAG"} -- "$@"
         return
     fi
     case "$LAUNCH" in

@@ -1,10 +1,14 @@
 """`python -m megatron_mea.cli.dry_run --world-size N -- <flags>`: validate a Megatron-LM launch
-without a GPU or Megatron-LM (see `megatron_mea.integrations.dry_run`)."""
+without a GPU or Megatron-LM (see `megatron_mea.integrations.dry_run`).
+
+The flags are checked against the Megatron-LM tag that matches the installed megatron-core (0.16.x:
+`core_v0.16.1`; 0.17 and later: `core_v0.19.0`), or the one `--megatron-lm-tag` names."""
 
 import argparse
 import sys
 
 from megatron_mea.integrations.dry_run import ASSUMED_TE_VERSION, DryRunError, dry_run
+from megatron_mea.integrations.mlm_flags import MEGATRON_LM_TAGS, installed_tag
 
 
 def main(argv=None) -> int:
@@ -15,15 +19,19 @@ def main(argv=None) -> int:
     cli.add_argument("--world-size", type=int, default=1, help="ranks the launch will start")
     cli.add_argument("--te-version", default=ASSUMED_TE_VERSION,
                      help="Transformer Engine version to assume when it is not installed")
+    cli.add_argument("--megatron-lm-tag", choices=sorted(MEGATRON_LM_TAGS), default=None,
+                     help="Megatron-LM tag whose flags to validate against (default: the one "
+                          f"matching the installed megatron-core, {installed_tag()})")
     opts = cli.parse_args(own)
     try:
-        result = dry_run(rest, opts.world_size, opts.te_version)
+        result = dry_run(rest, opts.world_size, opts.te_version, opts.megatron_lm_tag)
     except DryRunError as err:
         print(f"DRY RUN FAILED: {err}", file=sys.stderr)
         return 1
     args, config, size = result["args"], result["config"], result["size"]
     print(
-        f"DRY RUN OK: {len(rest)} argument tokens, world size {args.world_size} = "
+        f"DRY RUN OK (Megatron-LM {result['tag']}): {len(rest)} argument tokens, "
+        f"world size {args.world_size} = "
         f"TP {args.tensor_model_parallel_size} x PP {args.pipeline_model_parallel_size} x "
         f"CP {args.context_parallel_size} x DP {args.data_parallel_size}"
         + (f" (EP {args.expert_model_parallel_size})" if args.num_experts else "")

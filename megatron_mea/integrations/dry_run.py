@@ -2,9 +2,9 @@
 
     python -m megatron_mea.cli.dry_run --world-size 16 -- <every training flag>
 
-1. Parses the flags with Megatron-LM `core_v0.16.1`'s own parser, rebuilt from the vendored flag
-   table (`mlm_flags.py`), plus `add_mea_args`: unknown flags, missing values, bad types and bad
-   choices fail as they would in Megatron-LM.
+1. Parses the flags with Megatron-LM's own parser at one tag, rebuilt from the vendored flag table
+   (`mlm_flags.py`), plus `add_mea_args`: unknown flags, missing values, bad types and bad choices
+   fail as they would in Megatron-LM.
 2. Applies the parts of Megatron-LM's `validate_args` that decide whether a launch can start at all
    (world-size divisibility by TP*PP*CP and by the expert grid, batch divisibility, layers per
    pipeline stage, SP with MoE+TP, experts per EP rank) and the defaults it fills in.
@@ -12,6 +12,13 @@
    (every arg whose name is a config field, plus its special cases), so Megatron-Core's and the
    plugin's own `__post_init__` checks run.
 4. Prints a summary with the model size (`megatron_mea.model_size`); exit status 0 when valid.
+
+The tag is the one that matches the installed megatron-core (`mlm_flags.installed_tag`: 0.16.x
+validates against Megatron-LM `core_v0.16.1`, 0.17 and later against `core_v0.19.0`), unless one is
+given (`tag=`, `--megatron-lm-tag`). With a tag that does not match the installed megatron-core,
+step 3 copies only the flags whose value differs from that tag's default: its defaults belong to
+another megatron-core release (core_v0.16.1's `--moe-deepep-num-sms 20 --moe-hybridep-num-sms 16`
+are a conflict in megatron-core 0.19's config), so the installed release's defaults stand in.
 
 It is a strict subset of Megatron-LM's validation: passing here does not promise that every
 Megatron-LM assert passes, but failing here means Megatron-LM would fail too.
@@ -24,7 +31,7 @@ import os
 import warnings
 
 from megatron_mea.integrations.args import add_mea_args
-from megatron_mea.integrations.mlm_flags import build_parser, load_flags
+from megatron_mea.integrations.mlm_flags import build_parser, installed_tag, load_flags
 
 
 # Transformer Engine version the config checks assume when TE is not installed (--te-version).
@@ -44,15 +51,23 @@ class DryRunError(ValueError):
     """An argument set Megatron-LM would reject; the message lists every problem found."""
 
 
-def parse_training_args(argv: list) -> argparse.Namespace:
-    """Parse Megatron-LM + plugin flags strictly (argparse exits with status 2 on a bad flag)."""
-    parser = add_mea_args(build_parser(load_flags()))
+def parse_training_args(argv: list, tag: str = None) -> argparse.Namespace:
+    """Parse Megatron-LM + plugin flags strictly (argparse exits with status 2 on a bad flag).
+
+    Args:
+        argv: the training flags.
+        tag: the Megatron-LM tag whose flags to accept; None: `installed_tag()`.
+
+    Returns:
+        The parsed namespace, with Megatron-LM's defaults at that tag.
+    """
+    parser = add_mea_args(build_parser(load_flags(tag)))
     parser.prog = "pretrain_gpt_mea.py"
     return parser.parse_args(argv)
 
 
 def _fill_megatron_defaults(args: argparse.Namespace, world_size: int) -> None:
-    # The defaults Megatron-LM's validate_args derives (MLM arguments.py, core_v0.16.1).
+    # The defaults Megatron-LM's validate_args derives (arguments.py, the same at both tags).
     args.world_size, args.rank = world_size, 0
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = args.tensor_model_parallel_size
@@ -148,20 +163,32 @@ def _assume_transformer_engine(version: str):
         mcore_utils._te_version = saved
 
 
-def build_config(args: argparse.Namespace, te_version: str = ASSUMED_TE_VERSION):
+def build_config(args: argparse.Namespace, te_version: str = ASSUMED_TE_VERSION,
+                 foreign_defaults: dict = None):
     """`MEATransformerConfig` from args, as `core_transformer_config_from_args` builds it.
 
     Without Transformer Engine installed, TE version checks see `te_version` and the TE kernel
     fields (`TE_KERNEL_FIELDS`) are not checked (see `_assume_transformer_engine`).
+
+    Args:
+        args: parsed and defaults-filled Megatron-LM + plugin args.
+        te_version: the Transformer Engine version to assume when it is not installed.
+        foreign_defaults: `{dest: default}` of a Megatron-LM tag that does not match the installed
+            megatron-core; args still at those defaults are left to the config's own defaults.
+
+    Returns:
+        The config; Megatron-Core's and the plugin's checks raise as they would at launch.
     """
     import torch
     import torch.nn.functional as F
 
     from megatron_mea.config import MEATransformerConfig
 
+    foreign_defaults = foreign_defaults or {}
+    unset = object()
     params_dtype = torch.bfloat16 if args.bf16 else torch.half if args.fp16 else torch.float
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(MEATransformerConfig)
-          if hasattr(args, f.name)}
+          if hasattr(args, f.name) and getattr(args, f.name) != foreign_defaults.get(f.name, unset)}
     kw.update(
         persist_layer_norm=not args.no_persist_layer_norm,
         deallocate_pipeline_outputs=True,
@@ -177,6 +204,8 @@ def build_config(args: argparse.Namespace, te_version: str = ASSUMED_TE_VERSION)
         inference_sampling_seed=args.seed,
         moe_latent_size=args.moe_latent_size,
     )
+    if hasattr(args, "fp4_param_gather"):  # core_v0.19.0 renamed the dest of --fp4-param-gather
+        kw["fp4_param"] = args.fp4_param_gather
     if args.swiglu:
         kw.update(activation_func=F.silu, gated_linear_unit=True,
                   bias_activation_fusion=args.bias_swiglu_fusion)
@@ -208,24 +237,38 @@ def padded_vocab_size(args: argparse.Namespace, default_vocab: int = DEFAULT_VOC
     return -(-vocab // multiple) * multiple
 
 
-def dry_run(argv: list, world_size: int, te_version: str = ASSUMED_TE_VERSION) -> dict:
+def dry_run(argv: list, world_size: int, te_version: str = ASSUMED_TE_VERSION,
+            tag: str = None) -> dict:
     """Parse, check and build the config for `argv` on `world_size` ranks; raise DryRunError.
 
+    Args:
+        argv: every training flag, as `pretrain_gpt_mea.py` would get them.
+        world_size: ranks the launch starts.
+        te_version: the Transformer Engine version to assume when it is not installed.
+        tag: the Megatron-LM tag to validate against; None: the one matching the installed
+            megatron-core (`mlm_flags.installed_tag`).
+
     Returns:
-        `{"args": Namespace, "config": MEATransformerConfig, "size": model_size dict}`.
+        `{"args": Namespace, "config": MEATransformerConfig, "size": model_size dict,
+        "tag": the Megatron-LM tag used}`.
     """
     from megatron_mea.model_size import ModelShape, model_size
 
-    args = parse_training_args(argv)
+    tag = tag or installed_tag()
+    args = parse_training_args(argv, tag)
     _fill_megatron_defaults(args, world_size)
     errors = check_launch(args)
     if errors:
         raise DryRunError("; ".join(errors))
+    foreign_defaults = None
+    if tag != installed_tag():
+        foreign_defaults = {rec["dest"]: rec["default"] for rec in load_flags(tag)["flags"]}
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            config = build_config(args, te_version)
+            config = build_config(args, te_version, foreign_defaults)
     except (ValueError, AssertionError, NotImplementedError, TypeError, ImportError) as err:
         raise DryRunError(f"config: {type(err).__name__}: {err}") from err
     args.padded_vocab_size = padded_vocab_size(args)
-    return {"args": args, "config": config, "size": model_size(ModelShape.from_args(args))}
+    return {"args": args, "config": config, "size": model_size(ModelShape.from_args(args)),
+            "tag": tag}

@@ -2,8 +2,9 @@
 
 The only module of megatron_mea that imports `megatron.training` (and the Megatron-LM checkout's
 top-level `gpt_builders`); it does so inside the functions that need them, so `add_mea_args` stays
-importable from here in CI without Megatron-LM. Target: Megatron-LM tag `core_v0.16.1`
-(commit 55ac7082517c).
+importable from here in CI without Megatron-LM. Targets: Megatron-LM tags `core_v0.16.1`
+(commit 55ac7082517c, megatron-core 0.16.x) and `core_v0.19.0` (commit 5be9626709af, megatron-core
+0.17 and later); where they differ, the code asks the checkout what it has, not its version.
 
 Usage, from a Megatron-LM checkout on PYTHONPATH: `examples/megatron_lm/pretrain_gpt_mea.py`.
 """
@@ -62,28 +63,32 @@ def _check_supported(args) -> None:
                 f"--{name.replace('_', '-')} cannot be combined with --attention-variant "
                 f"{args.attention_variant}: it replaces MEATransformerConfig"
             )
-    if args.use_legacy_models:
+    # core_v0.19.0 dropped the flag (and the legacy models) altogether.
+    if getattr(args, "use_legacy_models", False):
         raise ValueError("--use-legacy-models has no attention variants; drop it")
 
 
 def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None, pg_collection=None):
-    """Megatron-LM's `gpt_builder` (tag core_v0.16.1) with `MEATransformerConfig` and the plugin spec.
+    """Megatron-LM's `gpt_builder` with `MEATransformerConfig` and the plugin spec.
 
-    Identical to `gpt_builders.gpt_builder` except that the config class is `MEATransformerConfig`,
-    every layer spec (the `--spec` one, the MoE block spec, the dense layer spec) gets the
-    self-attention of `config.attention_variant`, and the MTP layer spec is derived from a swapped
-    spec, so MTP layers use the variant too. YAML configs, heterogeneous layers and legacy models
-    are refused with a variant, since they bypass the config class. Signature as in Megatron-LM, for
-    `partial(model_provider, mea_gpt_builder)`.
+    Identical to the core-model branch of `gpt_builders.gpt_builder` (tags core_v0.16.1 and
+    core_v0.19.0) except that the config class is `MEATransformerConfig`, every layer spec (the
+    `--spec` one, the MoE block spec, the dense layer spec) gets the self-attention of
+    `config.attention_variant`, and the MTP layer spec is derived from a swapped spec, so MTP layers
+    use the variant too. YAML configs, heterogeneous layers and legacy models are refused with a
+    variant, since they bypass the config class; with standard attention the first two are built as
+    Megatron-LM builds them. Signature as in Megatron-LM, for `partial(model_provider,
+    mea_gpt_builder)`.
     """
     from gpt_builders import _get_transformer_layer_spec  # Megatron-LM checkout root
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_transformer_block_with_experimental_attention_variant_spec,
-    )
+    from megatron.core.models.gpt import experimental_attention_variant_module_specs as eav_specs
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_layer_specs,
         get_gpt_mtp_block_spec,
+    )
+    from megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs import (
+        get_gpt_heterogeneous_layer_spec,
     )
     from megatron.core.transformer.spec_utils import import_module
     from megatron.training import print_rank_0
@@ -95,7 +100,12 @@ def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,
     if not _checkpoint_args_restored:
         load_mea_args_from_checkpoint(args)
         _checkpoint_args_restored = True
-    if config is None:
+    if config is None and args.yaml_cfg is not None:
+        # Standard attention only (_check_supported): the config class is Megatron's own.
+        from megatron.training.yaml_arguments import core_transformer_config_from_yaml
+
+        config = core_transformer_config_from_yaml(args, "language_model")
+    elif config is None:
         config = core_transformer_config_from_args(args, MEATransformerConfig)
 
     use_te = args.transformer_impl == "transformer_engine"
@@ -103,8 +113,10 @@ def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,
         transformer_layer_spec = apply_attention_variant(import_module(args.spec), config)
     elif args.experimental_attention_variant is not None:
         # MEATransformerConfig refuses a plugin variant together with this one.
-        transformer_layer_spec = get_transformer_block_with_experimental_attention_variant_spec(
-            config=config, vp_stage=vp_stage
+        transformer_layer_spec = (
+            eav_specs.get_transformer_block_with_experimental_attention_variant_spec(
+                config=config, vp_stage=vp_stage
+            )
         )
     elif args.num_experts:
         assert not (config.transformer_impl == "inference_optimized")
@@ -115,6 +127,9 @@ def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,
             qk_l2_norm=args.qk_l2_norm,
             vp_stage=vp_stage,
         )
+    elif args.heterogeneous_layers_config_path is not None:
+        # Standard attention only (_check_supported): the config class is Megatron's own.
+        transformer_layer_spec = get_gpt_heterogeneous_layer_spec(config, use_te)
     else:
         transformer_layer_spec = apply_attention_variant(
             _get_transformer_layer_spec(use_te, config), config
@@ -129,6 +144,12 @@ def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,
         ):
             # No decoder layer on this (last) stage of a block spec: build one explicitly.
             spec_for_mtp = _get_transformer_layer_spec(use_te, config)
+        elif args.experimental_attention_variant is not None and hasattr(
+            eav_specs, "get_transformer_layer_with_experimental_attention_variant_spec"
+        ):
+            # core_v0.19.0 derives the MTP layer from the experimental variant's own layer specs.
+            layer_specs = eav_specs.get_transformer_layer_with_experimental_attention_variant_spec
+            spec_for_mtp = layer_specs(config=config)[-1]
         else:
             spec_for_mtp = get_gpt_decoder_layer_specs(
                 config,

@@ -1,4 +1,5 @@
-"""Every example's argument set parses and validates in dry-run mode (no GPU, no Megatron-LM)."""
+"""Every example's argument set parses and validates in dry-run mode (no GPU, no Megatron-LM),
+against the Megatron-LM tag of the installed megatron-core and against the other vendored tag."""
 
 import os
 import re
@@ -10,6 +11,7 @@ import pytest
 
 from megatron_mea.cli.dry_run import main
 from megatron_mea.integrations.dry_run import DryRunError, dry_run
+from megatron_mea.integrations.mlm_flags import MEGATRON_LM_TAGS, installed_tag
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "megatron_lm"
@@ -34,14 +36,20 @@ CASES = [
     ("mea_llama3_1b.sh", dict(VARIANT="mea", LR="3e-3", LAUNCH="slurm", NNODES="8",
                               PRECISION="fp8", TP="2")),
 ]
+# Every case against the installed megatron-core's tag (chosen by the dry run itself); the fullest
+# case of each script also against every other tag (MEGATRON_LM_TAG), since each launch serves both.
+OTHER_TAGS = [tag for tag in sorted(MEGATRON_LM_TAGS) if tag != installed_tag()]
+MATRIX = [(s, e) for s, e in CASES] + [
+    (s, dict(e, MEGATRON_LM_TAG=tag)) for tag in OTHER_TAGS for s, e in (CASES[2], CASES[4])]
 
 
-@pytest.mark.parametrize("script,env", CASES,
-                         ids=[f"{s[:-3]}-{'-'.join(e.values())}" for s, e in CASES])
+@pytest.mark.parametrize("script,env", MATRIX,
+                         ids=[f"{s[:-3]}-{'-'.join(e.values())}" for s, e in MATRIX])
 def test_example_validates_in_dry_run(script, env):
     result = run_example(script, **env)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "DRY RUN OK" in result.stdout
+    tag = env.get("MEGATRON_LM_TAG", installed_tag())
+    assert f"DRY RUN OK (Megatron-LM {tag})" in result.stdout
     assert "torchrun" in result.stdout
     if script.startswith("kha_moe_6b"):
         # The KHA paper's 6.1B-total / 1.01B-active, within 2%, in every flavour.
@@ -77,6 +85,28 @@ BASE = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8
 def test_dry_run_names_the_problem(extra, world, match):
     with pytest.raises(DryRunError, match=match):
         dry_run(BASE + extra, world)
+
+
+@pytest.mark.parametrize("tag", sorted(MEGATRON_LM_TAGS))
+def test_dry_run_validates_against_the_tag_asked_for(tag):
+    result = dry_run(BASE + ["--attention-variant", "mea"], 1, tag=tag)
+    assert result["tag"] == tag and result["config"].attention_variant == "mea"
+
+
+def test_dry_run_defaults_to_the_installed_megatron_core_tag(capsys):
+    assert dry_run(BASE, 1)["tag"] == installed_tag()
+    assert main(["--world-size", "1", "--"] + BASE) == 0
+    assert f"DRY RUN OK (Megatron-LM {installed_tag()})" in capsys.readouterr().out
+
+
+def test_use_legacy_models_exists_only_at_core_v0_16_1(capsys):
+    # core_v0.19.0 dropped the legacy models and their flag: the tag decides what parses.
+    argv = BASE + ["--use-legacy-models"]
+    assert dry_run(argv, 1, tag="core_v0.16.1")["args"].use_legacy_models
+    with pytest.raises(SystemExit) as exc:
+        main(["--megatron-lm-tag", "core_v0.19.0", "--"] + argv)
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --use-legacy-models" in capsys.readouterr().err
 
 
 def test_unknown_flag_fails_like_argparse(capsys):

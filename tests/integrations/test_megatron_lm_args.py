@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import subprocess
 import sys
 
 import pytest
@@ -87,10 +88,14 @@ def test_flags_round_trip_to_config(flags, expected):
 
 
 def test_add_mea_args_works_without_megatron_training():
-    add_mea_args(argparse.ArgumentParser())
-    if "megatron.training" in sys.modules:
-        pytest.skip("megatron.training was imported by another test")
-    assert "megatron.training" not in sys.modules
+    # A fresh interpreter: another test of this session may have imported megatron.training.
+    code = ("import argparse, sys\n"
+            "from megatron_mea.integrations.args import add_mea_args\n"
+            "add_mea_args(argparse.ArgumentParser())\n"
+            "assert 'megatron.training' not in sys.modules, 'megatron.training was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
 
 
 def test_restore_takes_model_fields_from_the_checkpoint_and_keeps_runtime_ones():
