@@ -84,7 +84,7 @@ launch() {
     nccl_env
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "launch ($LAUNCH, $NNODES node(s) x $GPUS_PER_NODE GPUs):"
-        echo "  torchrun ${torchrun_args[*]} $ENTRY <${#@} argument tokens>"
+        echo "  torchrun ${torchrun_args[*]} $ENTRY $*"
         "$PYTHON" -m megatron_mea.cli.dry_run --world-size "$WORLD_SIZE" \
             ${MEGATRON_LM_TAG:+--megatron-lm-tag "$MEGATRON_LM_TAG"} -- "$@"
         return

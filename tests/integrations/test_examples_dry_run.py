@@ -57,6 +57,24 @@ def test_example_validates_in_dry_run(script, env):
         assert abs(float(total) / 6.1 - 1) < 0.02 and abs(float(active) / 1.01 - 1) < 0.02
 
 
+@pytest.mark.parametrize(
+    "mode,schedule,iters",
+    [("lr-grid", "--lr-decay-style constant", 2509), ("final", "--lr-decay-style cosine", 25096)],
+)
+def test_mea_llama3_follows_the_papers_recipe(mode, schedule, iters):
+    # Section 5.1: untied embeddings, 1,000 warm-up steps, then a constant LR for the LR grid
+    # (50B tokens) or cosine to 10% for the final run (500B tokens); AdamW, weight decay 0.1.
+    result = run_example("mea_llama3_1b.sh", VARIANT="mea", LR="3e-3", MODE=mode)
+    assert result.returncode == 0, result.stdout + result.stderr
+    command = next(line for line in result.stdout.splitlines() if "torchrun" in line)
+    for expected in ("--untie-embeddings-and-output-weights", "--lr-warmup-iters 1000", schedule,
+                     f"--train-iters {iters}", f"--lr-decay-iters {iters}", "--weight-decay 0.1",
+                     "--lr 3e-3", "--global-batch-size 4864"):
+        assert f" {expected} " in f"{command} ", expected
+    assert ("--min-lr 0.0003" in command) == (mode == "final")
+    assert "--lr-warmup-fraction" not in command
+
+
 def test_bad_launch_is_rejected_with_the_reason():
     result = run_example("kha_moe_6b_a1b.sh", VARIANT="mea", EP="16")  # 8 GPUs cannot hold EP 16
     assert result.returncode == 1
