@@ -1,6 +1,6 @@
 """Parameter counts, training FLOPs and KV-cache size of a GPT config, baseline / MEA / KHA.
 
-Pure arithmetic on a `ModelShape`; `tools/model_size.py` is the command line over it. Notation:
+Pure arithmetic on a `ModelShape`; `mea-model-size` is the command line over it. Notation:
 `L` layers, `h` hidden, `np` query heads, `ng` KV groups, `nc` MEA component heads, `hn` head dim,
 `E` routed experts, `k` top-k, `f` dense FFN width, `fe` expert width, `V` padded vocab, `s` sequence.
 

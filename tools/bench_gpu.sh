@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# tools/bench_attention.py prepared for one GPU (an H200): bf16, Transformer Engine's spec when TE
+# mea-bench-attention prepared for one GPU (an H200): bf16, Transformer Engine's spec when TE
 # imports, hidden 2048 and 4096 at sequence 4096. Prints the ratio of every variant to the
 # baseline and the layer's TFLOP/s (model FLOPs of the baseline layer, causal attention halved).
-# Finishes in a few minutes; the collective byte counts are a CPU matter (gloo, bench_attention.py
-# without --device) and are skipped here.
+# Finishes in a few minutes; the collective byte counts are a CPU matter (gloo,
+# mea-bench-attention without --device) and are skipped here.
 #
 #   bash tools/bench_gpu.sh [OUT_DIR]          # default: $OUT if set, else runs/bench_gpu
 #
@@ -38,8 +38,11 @@ COMMON=(--device cuda --bf16 "${TE[@]}" --seq-length 4096 --micro-batch-size 1
         --repeats 30 --warmup 5 --model-layers 2 --model-micro-batches 2 --model-repeats 20
         --vocab-size 32768
         --tp-sizes)
-python3 tools/bench_attention.py "${COMMON[@]}" --hidden-size 2048 --num-attention-heads 16 \
+# The console script when megatron_mea is installed; else the same module from this checkout.
+BENCH=(mea-bench-attention)
+command -v mea-bench-attention >/dev/null || BENCH=(python3 -m megatron_mea.cli.bench_attention)
+"${BENCH[@]}" "${COMMON[@]}" --hidden-size 2048 --num-attention-heads 16 \
     --num-query-groups 4 --json "$OUT_DIR/bench_gpu_h2048.json"
-python3 tools/bench_attention.py "${COMMON[@]}" --hidden-size 4096 --num-attention-heads 32 \
+"${BENCH[@]}" "${COMMON[@]}" --hidden-size 4096 --num-attention-heads 32 \
     --num-query-groups 8 --json "$OUT_DIR/bench_gpu_h4096.json"
 echo "[bench_gpu] JSON in $OUT_DIR"

@@ -2,7 +2,7 @@
 # The KHA paper's main model: a 6.1B-total / 1.01B-active MoE (128 experts, top-8), GQA 32 query /
 # 4 KV heads of dim 128, QK RMSNorm, sequence 8192, 4.2M-token batches, 1T tokens.
 # Layers (24), hidden size (1408), expert width (416) and vocabulary (Llama-3, 128256) are not in the
-# paper; they are chosen to land on 6.1B / 1.01B (examples/README.md; tools/model_size.py).
+# paper; they are chosen to land on 6.1B / 1.01B (examples/README.md; mea-model-size).
 #
 #   VARIANT=baseline|kha-mlp|mea   standard attention, KHA-MLP on V (the paper's MoE setting),
 #                                  or MEA (MEA_NC component KV heads, default 4 = no compression)

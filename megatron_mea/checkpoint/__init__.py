@@ -10,11 +10,12 @@ Conversions (imported lazily, they need transformers / safetensors where noted):
   or `megatron_mea.hf` modeling code).
 - `compress_checkpoint`, `probe_layers`, `select_layers`, `load_tokens`: MEA post-hoc KV
   compression and its per-layer probe.
-`tools/convert_checkpoint.py` is the command line over them.
+`mea-convert` (`megatron_mea.cli.convert`) is the command line over them. Outputs go to a new
+or empty directory, written under a temporary name and renamed at the end (`output_dir`).
 """
 
 from megatron_mea.checkpoint.fold import fold_head_mix, fold_kha_linear
-from megatron_mea.checkpoint.qkv_layout import fuse_qkv, unfuse_qkv
+from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 
 _LAZY = {
     "import_hf_checkpoint": "hf_import",

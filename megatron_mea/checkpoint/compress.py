@@ -1,4 +1,4 @@
-"""MEA post-hoc KV compression (SPEC.md section 1, the MEA paper's App. F).
+"""MEA post-hoc KV compression (docs/math.md; the MEA paper's App. F).
 
 For K and V of one layer, separately: stack the projection rows of each composite KV head into
 one column (`hn*h` weight entries, plus `hn` bias entries when there are biases), so
@@ -33,8 +33,9 @@ from megatron_mea.checkpoint.megatron_io import (
     converter_process,
     load_model_weights,
 )
-from megatron_mea.checkpoint.qkv_layout import fuse_qkv, unfuse_qkv
+from megatron_mea.checkpoint.output_dir import check_new_directory
 from megatron_mea.checkpoint.variants import upcycle_init
+from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 
 logger = logging.getLogger(__name__)
 
@@ -239,14 +240,23 @@ def compress_checkpoint(
 
     Args:
         load_dir: checkpoint root (saved at any TP / PP / EP).
-        save_dir: output root: a model-only checkpoint `mea-pretrain --load` continues from.
+        save_dir: output root, new or empty: a model-only checkpoint `mea-pretrain --load`
+            continues from.
         num_kv_components: nc.
         layers: layer selection (`select_layers`). The other layers become MEA with `nc = ng`
             (an exact SVD reparametrisation), recorded in `mea_num_kv_components_per_layer`.
         mea_head_norm: add (True) or drop (False) the head norm. Default: keep the checkpoint's
             (a baseline has none; adding one changes the function).
         iteration: checkpoint to read. Default: the latest.
+
+    Returns:
+        The description of the written model.
+
+    Raises:
+        ConversionError: `save_dir` is not new or empty (checked first), or `nc` / `layers` do
+            not fit the model. Nothing is left under `save_dir` then.
     """
+    check_new_directory(save_dir)
     description = ModelDescription.load(load_dir)
     num_layers = description.args.num_layers
     selected = select_layers(layers, num_layers)

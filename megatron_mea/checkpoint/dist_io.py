@@ -55,6 +55,7 @@ from megatron_mea.checkpoint.megatron_io import (
     resolve_checkpoint,
     tensor_entries,
 )
+from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
 from megatron_mea.training.checkpointing import (
     TRACKER,
     checkpoint_dir,
@@ -151,7 +152,8 @@ def write_checkpoint(
     memory held is one group, not the model.
 
     Args:
-        root: output directory (created; must not hold a checkpoint already).
+        root: output directory, new or empty. It is written under a temporary name next to it
+            and renamed at the end (`output_dir.staged_directory`): a failure leaves nothing.
         description: the model; saved as `config.yaml` + `conversion.json`.
         groups: dicts of state-dict name -> tensor (one layer each, ideally), covering every
             tensor of the model exactly once with its exact shape.
@@ -161,34 +163,29 @@ def write_checkpoint(
         The checkpoint directory (`<root>/iter_0000000`).
 
     Raises:
-        ConversionError: a tensor that the model does not have, has twice, or has with another
-            shape, or a model tensor that never came.
+        ConversionError: `root` is not a new or empty directory; a tensor that the model does
+            not have, has twice, or has with another shape, or a model tensor that never came.
     """
-    if os.path.exists(os.path.join(root, TRACKER)):
-        raise ConversionError(f"{root}: already holds a checkpoint; choose an empty directory")
-    os.makedirs(root, exist_ok=True)
+    check_new_directory(root)
     sharded = meta_model(description).sharded_state_dict()
     entries = tensor_entries(sharded)
-    directory = checkpoint_dir(root, 0)
-    tmp = directory + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     started = time.perf_counter()
-    try:
-        parts = _write_groups(tmp, entries, groups, progress)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    # Megatron writes the rest (its metadata.json, common.pt, the linears' extra states); then
-    # its tensor index gains the parts.
-    rest = {name: value for name, value in sharded.items() if name not in entries}
-    state = dict(model=rest, iteration=0, consumed_samples=0, parallel_layout=MODEL_ONLY_LAYOUT)
-    dist_checkpointing.save(state, tmp)
-    _merge_parts(tmp, parts)
-    os.replace(tmp, directory)
-    description.save(root)
-    with open(os.path.join(root, TRACKER), "w", encoding="utf-8") as handle:
-        handle.write("0")
+    with staged_directory(root) as staged:
+        directory = checkpoint_dir(staged, 0)
+        os.makedirs(directory)
+        # Megatron writes the rest (its metadata.json, common.pt, the linears' extra states)
+        # first, into the empty directory (it warns of an "incomplete checkpoint" otherwise);
+        # then its tensor index gains the parts.
+        rest = {name: value for name, value in sharded.items() if name not in entries}
+        state = dict(model=rest, iteration=0, consumed_samples=0,
+                     parallel_layout=MODEL_ONLY_LAYOUT)
+        dist_checkpointing.save(state, directory)
+        parts = _write_groups(directory, entries, groups, progress)
+        _merge_parts(directory, parts)
+        description.save(staged)
+        with open(os.path.join(staged, TRACKER), "w", encoding="utf-8") as handle:
+            handle.write("0")
+    directory = checkpoint_dir(root, 0)
     logger.info("wrote %s (%d tensors, %.1f s)", directory, len(entries),
                 time.perf_counter() - started)
     return directory

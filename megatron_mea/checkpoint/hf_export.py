@@ -28,16 +28,15 @@ from megatron_mea.checkpoint.hf_config import (
     hf_config_dict,
     split_model_type,
 )
-from megatron_mea.checkpoint.hf_families import VARIANT_PARAMS, model_rules
-from megatron_mea.checkpoint.hf_import import qkv_layout
+from megatron_mea.checkpoint.hf_import import plan_rules, qkv_layout
 from megatron_mea.checkpoint.hf_io import HFWriter, copy_tokenizer, load_hf_config
 from megatron_mea.checkpoint.megatron_io import (
     ConversionError,
     ModelDescription,
     converter_process,
     expected_shapes,
-    layer_of,
 )
+from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
 from megatron_mea.checkpoint.variants import fold_layer, foldable
 
 logger = logging.getLogger(__name__)
@@ -63,6 +62,12 @@ def choose_format(config, requested: str = "auto") -> str:
     return requested
 
 
+# Sizes a `reference` config.json must agree with: the export rewrites them from the checkpoint,
+# and a reference of another model leaves per-layer fields of the wrong length (`layer_types`).
+REFERENCE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_key_value_heads", "head_dim")
+
+
 def _reference_config(path: str) -> dict:
     config = load_hf_config(path).to_dict()
     fam, _ = split_model_type(config["model_type"])
@@ -72,33 +77,58 @@ def _reference_config(path: str) -> dict:
     return config
 
 
-def _write_config(save_dir: str, fam, fields: dict, config, fmt: str) -> None:
+def _check_reference(path: str, reference: dict, fields: dict) -> None:
+    for name in REFERENCE_SIZES:
+        if reference.get(name) is not None and reference[name] != fields.get(name):
+            raise ConversionError(
+                f"{os.path.join(path, 'config.json')}: {name} is {reference[name]}, the "
+                f"checkpoint's model has {fields.get(name)} (the reference must describe the "
+                "exported model)"
+            )
+
+
+def _build_config(fam, fields: dict, config, fmt: str):
+    """The transformers config object of the export (validated by transformers).
+
+    Raises:
+        ConversionError: transformers refuses the fields (one line).
+    """
     from transformers import AutoConfig
 
     fields = {k: v for k, v in fields.items() if k != "model_type"}
-    if fmt == "plain":
-        AutoConfig.for_model(fam.name, **fields).save_pretrained(save_dir)
-        return
-    import megatron_mea.hf  # noqa: F401  (registers the native model types)
-    from megatron_mea.hf import CONFIGS, MODELS
+    try:
+        if fmt == "plain":
+            return AutoConfig.for_model(fam.name, **fields)
+        from megatron_mea.hf import CONFIGS, MODELS  # registers the native model types
 
-    model_type = NATIVE_PREFIX + fam.name
-    variant = dict(attention_variant=config.attention_variant)
-    if config.attention_variant == "mea":
-        variant.update(mea_num_kv_components=config.mea_num_kv_components,
-                       mea_head_norm=bool(config.mea_head_norm))
-    else:
-        variant.update(kha_variant=config.kha_variant, kha_targets=list(config.kha_targets))
-    fields = dict(fields, architectures=[MODELS[model_type].__name__], **variant)
-    native = CONFIGS[model_type](**fields)
+        model_type = NATIVE_PREFIX + fam.name
+        variant = dict(attention_variant=config.attention_variant)
+        if config.attention_variant == "mea":
+            variant.update(mea_num_kv_components=config.mea_num_kv_components,
+                           mea_head_norm=bool(config.mea_head_norm))
+        else:
+            variant.update(kha_variant=config.kha_variant, kha_targets=list(config.kha_targets))
+        fields = dict(fields, architectures=[MODELS[model_type].__name__], **variant)
+        native = CONFIGS[model_type](**fields)
+    except Exception as exc:  # transformers' validators raise their own error types
+        raise ConversionError(
+            f"the {fam.name} config.json of the export is invalid: {' '.join(str(exc).split())}"
+        ) from exc
     native.auto_map = {
         "AutoConfig": f"configuration_megatron_mea.{CONFIGS[model_type].__name__}",
         "AutoModelForCausalLM": f"modeling_megatron_mea.{MODELS[model_type].__name__}",
     }
-    native.save_pretrained(save_dir)
-    package = os.path.dirname(megatron_mea.hf.__file__)
-    for name in _NATIVE_FILES:
-        shutil.copy(os.path.join(package, name), os.path.join(save_dir, name))
+    return native
+
+
+def _write_config(save_dir: str, built, fmt: str) -> None:
+    built.save_pretrained(save_dir)
+    if fmt == "native":  # the modeling code, for trust_remote_code=True
+        import megatron_mea.hf
+
+        package = os.path.dirname(megatron_mea.hf.__file__)
+        for name in _NATIVE_FILES:
+            shutil.copy(os.path.join(package, name), os.path.join(save_dir, name))
 
 
 def export_hf_checkpoint(
@@ -113,23 +143,35 @@ def export_hf_checkpoint(
 ) -> str:
     """Write the model of the Megatron checkpoint under `load_dir` as an HF directory.
 
+    Everything is checked before the first tensor is read, and the directory is written under a
+    temporary name next to `save_dir` and renamed at the end: a failed export leaves nothing.
+
     Args:
         load_dir: checkpoint root (`latest_checkpointed_iteration.txt`, `config.yaml`).
-        save_dir: output HF directory (config.json, safetensors, tokenizer files if known).
+        save_dir: output HF directory, new or empty (config.json, safetensors, tokenizer files
+            if known).
         format: `auto`, `plain` or `native` (module docstring).
         reference: an HF directory whose config.json is the template (e.g. the model a run was
-            upcycled from, when the run's directory has no `conversion.json`). Default: the
-            checkpoint's `conversion.json`, else a config built from the model's sizes.
+            upcycled from, when the run's directory has no `conversion.json`); its sizes must
+            be the checkpoint's. Default: the checkpoint's `conversion.json`, else a config
+            built from the model's sizes.
         dtype: output dtype. Default: the checkpoint's.
         iteration: checkpoint to export. Default: the latest.
         max_shard_bytes: safetensors shard size limit.
 
     Returns:
         The format written (`plain` or `native`).
+
+    Raises:
+        ConversionError: `save_dir` is not new or empty; the reference or the model cannot be
+            expressed in the family's config; a checkpoint tensor has no export rule.
+        CheckpointError: the checkpoint is missing, partial or does not match its config.
     """
+    check_new_directory(save_dir)
     description = ModelDescription.load(load_dir)
-    if reference:
-        description.hf_config = _reference_config(reference)
+    reference_fields = _reference_config(reference) if reference else None
+    if reference_fields:
+        description.hf_config = reference_fields
     config = description.transformer_config(meta=True)
     fmt = choose_format(config, format)
     if fmt == "native" and getattr(config, "mea_num_kv_components_per_layer", None) is not None:
@@ -138,21 +180,31 @@ def export_hf_checkpoint(
             "layers; export without the head norm (folded to plain q/k/v) or compress all layers"
         )
     fam, fields = hf_config_dict(description)
+    if reference_fields:
+        _check_reference(reference, reference_fields, fields)
+    _build_config(fam, fields, config, fmt)  # refuse a bad config before any tensor is written
+    started = time.perf_counter()
+    with staged_directory(save_dir) as staged:
+        saved_dtype = _write_weights(load_dir, staged, description, fam, fmt, dtype, iteration,
+                                     max_shard_bytes)
+        fields["dtype"] = dtype_name(dtype or saved_dtype)
+        _write_config(staged, _build_config(fam, fields, config, fmt), fmt)
+        args = description.args
+        source = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
+        copy_tokenizer(source or description.source, staged)
+    logger.info("wrote %s (%s format, %.1f s)", save_dir, fmt, time.perf_counter() - started)
+    return fmt
+
+
+def _write_weights(load_dir, save_dir, description, fam, fmt, dtype, iteration,
+                   max_shard_bytes) -> torch.dtype:
+    """Stream the checkpoint's tensors through the family's export rules into safetensors
+    shards under `save_dir`; returns the checkpoint's dtype."""
+    config = description.transformer_config(meta=True)
     started = time.perf_counter()
     with converter_process():
-        shapes = expected_shapes(description)
         native = fmt == "native"
-        variant_params = {}
-        if native:
-            for name in shapes:
-                for param in VARIANT_PARAMS:
-                    if name.endswith(".self_attention." + param):
-                        variant_params.setdefault(layer_of(name), []).append(param)
-        moe_layers = [f"decoder.layers.{i}.mlp.router.weight" in shapes
-                      for i in range(config.num_layers)]
-        rules = model_rules(fam, config.num_layers, moe_layers, config.num_moe_experts or 0,
-                            tied=not description.args.untie_embeddings_and_output_weights,
-                            variant_params=variant_params)
+        rules = plan_rules(description, expected_shapes(description), native, fam)
         layout = qkv_layout(description, None if native else config.num_query_groups)
         _, groups = read_checkpoint(load_dir, description, iteration)
         writer = HFWriter(save_dir, max_shard_bytes)
@@ -172,10 +224,4 @@ def export_hf_checkpoint(
             writer.add({k: v.to(dtype) if dtype else v for k, v in hf.items()})
             logger.info("exported layer %d (%.1f s)", layer, time.perf_counter() - started)
         writer.close()
-    fields["dtype"] = dtype_name(dtype or saved_dtype)
-    _write_config(save_dir, fam, fields, config, fmt)
-    args = description.args
-    source = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
-    copy_tokenizer(source or description.source, save_dir)
-    logger.info("wrote %s (%s format, %.1f s)", save_dir, fmt, time.perf_counter() - started)
-    return fmt
+    return saved_dtype

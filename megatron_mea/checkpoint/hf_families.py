@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron_mea.checkpoint.qkv_layout import fuse_qkv, unfuse_qkv
+from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 
 
 @dataclass(frozen=True)

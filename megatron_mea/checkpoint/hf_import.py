@@ -18,6 +18,7 @@ from megatron_mea.checkpoint.dist_io import write_checkpoint
 from megatron_mea.checkpoint.hf_config import description_from_hf, split_model_type
 from megatron_mea.checkpoint.hf_families import (
     VARIANT_PARAMS,
+    Family,
     Layout,
     Rule,
     family,
@@ -31,6 +32,7 @@ from megatron_mea.checkpoint.megatron_io import (
     expected_shapes,
     layer_of,
 )
+from megatron_mea.checkpoint.output_dir import check_new_directory
 from megatron_mea.checkpoint.variants import upcycle_init
 
 logger = logging.getLogger(__name__)
@@ -54,10 +56,21 @@ def qkv_layout(description: ModelDescription, num_kv_heads: Optional[int] = None
     )
 
 
-def plan_rules(description: ModelDescription, shapes: Dict, with_variant_params: bool):
-    """Rules of every tensor of the model, by layer (-1: embedding, final norm, output)."""
+def plan_rules(description: ModelDescription, shapes: Dict, with_variant_params: bool,
+               fam: Optional[Family] = None):
+    """Rules of every tensor of the model, by layer (-1: embedding, final norm, output).
+
+    Args:
+        description: the model.
+        shapes: its tensors' shapes (`expected_shapes`).
+        with_variant_params: map the plugin's parameters too (the native format).
+        fam: the HF family. Default: the one of `description.hf_config`.
+
+    Returns:
+        layer -> the rules of its tensors (`hf_families.model_rules`).
+    """
     config = description.transformer_config(meta=True)
-    fam = family((description.hf_config or {}).get("model_type", ""))
+    fam = fam or family((description.hf_config or {}).get("model_type", ""))
     num_layers = config.num_layers
     moe_layers = [f"decoder.layers.{i}.mlp.router.weight" in shapes for i in range(num_layers)]
     variant = {}
@@ -99,7 +112,8 @@ def import_hf_checkpoint(
     Args:
         hf_dir: HF directory (config.json + safetensors): Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral,
             or one of our native MEA / KHA exports.
-        save_dir: output root (`iter_0000000/`, tracker, `config.yaml`, `conversion.json`).
+        save_dir: output root, new or empty (`iter_0000000/`, tracker, `config.yaml`,
+            `conversion.json`); written under a temporary name and renamed at the end.
         attention_variant: "standard", "mea" (identity mixing, nc = ng) or "kha" (identity).
         mea_head_norm: MEA: add the head norm (scale 1; it changes the function, unlike the
             other upcycled parameters). Default: False.
@@ -113,8 +127,11 @@ def import_hf_checkpoint(
         The description of the written model.
 
     Raises:
-        ConversionError: unsupported config, missing / unexpected tensors, wrong shapes.
+        ConversionError: `save_dir` is not new or empty (checked first); config.json is
+            malformed or unsupported; tensors are missing, unexpected, of another shape or not
+            floating-point. Nothing is left under `save_dir` then.
     """
+    check_new_directory(save_dir)
     config = load_hf_config(hf_dir)
     _, native = split_model_type(config.model_type)
     description = description_from_hf(

@@ -13,6 +13,7 @@ from typing import Dict, Iterable, Optional
 
 import torch
 
+from megatron_mea.checkpoint.hf_config import dtype_name, split_model_type
 from megatron_mea.checkpoint.megatron_io import ConversionError
 
 logger = logging.getLogger(__name__)
@@ -34,19 +35,98 @@ TOKENIZER_FILES = (
 )
 
 
+# Sizes config.json must state: for a missing one transformers would take its class default
+# (a 7B model's), and the import would fail later on tensors that are not there.
+REQUIRED_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                   "num_hidden_layers", "num_attention_heads")
+# Fields that must be integers, and numbers, where they are present and not null.
+INTEGER_FIELDS = REQUIRED_FIELDS[1:] + (
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
+    "num_experts", "num_local_experts", "num_experts_per_tok", "decoder_sparse_step",
+)
+NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "initializer_range", "router_aux_loss_coef")
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def _load_json_object(path: str) -> dict:
+    """The JSON object in the file `path`; ConversionError naming the file if it is not one."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle)
+    except json.JSONDecodeError as exc:
+        raise ConversionError(f"{path}: invalid JSON ({exc.msg} at line {exc.lineno} column "
+                              f"{exc.colno})") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConversionError(f"{path}: unreadable ({_one_line(exc)})") from exc
+    if not isinstance(value, dict):
+        raise ConversionError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def read_config_json(directory: str) -> dict:
+    """The fields of `directory/config.json`, checked for what the converters read.
+
+    Args:
+        directory: an HF checkpoint directory.
+
+    Returns:
+        The parsed JSON object.
+
+    Raises:
+        ConversionError: the file is missing or not a JSON object, a `REQUIRED_FIELDS` entry is
+            missing, a field has the wrong type, or the model type is not supported; the message
+            names the file and the field.
+    """
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        raise ConversionError(f"{path}: missing (not a Hugging Face checkpoint directory)")
+    fields = _load_json_object(path)
+    for name in REQUIRED_FIELDS:
+        if fields.get(name) is None:
+            state = "is missing" if name not in fields else "is null"
+            raise ConversionError(f"{path}: field {name!r} {state}")
+    checks = [(n, int, "an integer") for n in INTEGER_FIELDS]
+    checks += [(n, (int, float), "a number") for n in NUMBER_FIELDS]
+    checks.append(("model_type", str, "a string"))
+    for name, types, what in checks:
+        value = fields.get(name)
+        if value is not None and (not isinstance(value, types) or isinstance(value, bool)):
+            raise ConversionError(f"{path}: field {name!r} must be {what}, got {value!r}")
+    try:
+        split_model_type(fields["model_type"])
+    except ValueError as exc:
+        raise ConversionError(f"{path}: {exc}") from exc
+    return fields
+
+
 def load_hf_config(directory: str):
     """The transformers config of an HF checkpoint directory (local files only).
 
     Our native model types (`megatron_mea_*`) are registered first.
+
+    Args:
+        directory: an HF checkpoint directory.
+
+    Returns:
+        The transformers config object.
+
+    Raises:
+        ConversionError: config.json is refused by `read_config_json` or by transformers (one
+            line naming the file; transformers' messages name the field).
     """
     from transformers import AutoConfig
 
     import megatron_mea.hf  # noqa: F401  (registers the native model types)
 
-    path = os.path.join(directory, "config.json")
-    if not os.path.exists(path):
-        raise ConversionError(f"{path}: missing (not a Hugging Face checkpoint directory)")
-    return AutoConfig.from_pretrained(directory, local_files_only=True)
+    read_config_json(directory)
+    try:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError, ValueError, its validators' errors...
+        path = os.path.join(directory, "config.json")
+        raise ConversionError(f"{path}: {_one_line(exc)}") from exc
 
 
 def has_tokenizer(directory: str) -> bool:
@@ -67,8 +147,9 @@ class HFReader:
         self.directory = directory
         index = os.path.join(directory, INDEX)
         if os.path.exists(index):
-            with open(index, encoding="utf-8") as handle:
-                weight_map = json.load(handle)["weight_map"]
+            weight_map = _load_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ConversionError(f"{index}: field 'weight_map' is missing or empty")
         elif os.path.exists(os.path.join(directory, SINGLE)):
             weight_map = None
         else:
@@ -102,7 +183,11 @@ class HFReader:
         return tuple(self._handles[self.location[key]].get_slice(key).get_shape())
 
     def get(self, key: str, shape=None) -> torch.Tensor:
-        """Read tensor `key`, checking its shape against `shape` when given."""
+        """Read tensor `key`, checking its shape against `shape` when given.
+
+        Raises:
+            ConversionError: the tensor is missing, has another shape, or is not floating-point.
+        """
         if key not in self.location:
             raise ConversionError(
                 f"{self.directory}: tensor {key!r}"
@@ -114,8 +199,15 @@ class HFReader:
                 f"{self.directory}: tensor {key!r} has shape {list(self.shape(key))}, the model "
                 f"config implies {list(shape)}"
             )
+        tensor = self._handles[self.location[key]].get_tensor(key)
+        if not tensor.is_floating_point():
+            # A weight stored as integers (a quantized or corrupt export) would be cast silently.
+            raise ConversionError(
+                f"{self.directory}: tensor {key!r} has dtype {dtype_name(tensor.dtype)}; only "
+                "floating-point weights can be converted"
+            )
         self.used.add(key)
-        return self._handles[self.location[key]].get_tensor(key)
+        return tensor
 
     def unused(self):
         """Keys never read (ignoring recomputed buffers)."""

@@ -7,7 +7,7 @@ transforms and a zero KHA-MLP gate.
 
 Folding (export to a stock architecture) works on one layer's TP=1 tensors: HLC without the
 head norm and KHA-Linear are linear maps right after the projection, so they fold into the
-`linear_qkv` rows (SPEC.md sections 1 and 2). Folding runs in fp32 and casts back.
+`linear_qkv` rows (docs/math.md). Folding runs in fp32 and casts back.
 """
 
 import re
@@ -16,7 +16,7 @@ from typing import Dict
 import torch
 
 from megatron_mea.checkpoint.fold import fold_head_mix, fold_kha_linear
-from megatron_mea.checkpoint.qkv_layout import fuse_qkv, unfuse_qkv
+from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 
 _PLUGIN = re.compile(r"\.self_attention\.(head_mix|head_norm|knock)\.")
 

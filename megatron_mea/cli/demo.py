@@ -1,11 +1,11 @@
-"""`make demo`: pretrain a small MoE GPT with MEA, KHA and the plain baseline on real text, on CPU.
+"""`mea-demo` (`make demo`): pretrain a small MoE GPT with MEA, KHA and the baseline on CPU.
 
 1. Build a corpus from the Python standard library's source and documentation on this machine.
 2. Preprocess it into Megatron `.bin/.idx` files with the built-in byte-level tokenizer.
 3. Run `mea-pretrain` (a subprocess each, the real CLI) for every variant: same data, same seed.
 4. Print a summary table and save a loss-curve PNG.
 
-    python -m megatron_mea.cli.demo [--out runs/demo] [--train-iters 300] [--variants mea kha]
+    mea-demo [--out runs/demo] [--train-iters 300] [--variants mea kha]
 """
 
 import argparse
@@ -80,7 +80,7 @@ def run_variant(name: str, flags, config_path: str, prefix: str, out: str, iters
     if os.path.exists(metrics):
         os.remove(metrics)
     command = [
-        sys.executable, "-m", "megatron_mea.pretrain", "--config", config_path,
+        sys.executable, "-m", "megatron_mea.cli.pretrain", "--config", config_path,
         "--data-path", prefix, "--train-iters", str(iters), "--save", run_dir,
         "--tensorboard-dir", os.path.join(out, "tensorboard", name), *flags,
     ]
@@ -121,8 +121,8 @@ def plot(results: dict, path: str) -> None:
         steps = [r["iteration"] for r in records]
         loss = [r["lm loss"] for r in records]
         window = 10
-        smooth = [sum(loss[max(0, i - window + 1): i + 1]) / len(loss[max(0, i - window + 1): i + 1])
-                  for i in range(len(loss))]
+        tails = [loss[max(0, i - window + 1): i + 1] for i in range(len(loss))]
+        smooth = [sum(tail) / len(tail) for tail in tails]
         line, = ax.plot(steps, smooth, label=f"{name} train")
         valid = [(r["iteration"], r["valid loss"]) for r in records if "valid loss" in r]
         ax.plot(*zip(*valid), "o--", color=line.get_color(), label=f"{name} valid")
@@ -136,8 +136,15 @@ def plot(results: dict, path: str) -> None:
 
 
 def main(argv=None) -> int:
-    """Run the whole demo; returns a process exit code."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Run the whole demo: data, one training run per variant, the table and the plot.
+
+    Args:
+        argv: the arguments. Default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0, or 1 when a training run failed.
+    """
+    parser = argparse.ArgumentParser(prog="mea-demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/demo")
     parser.add_argument("--train-iters", type=int, default=DEMO_CONFIG["train_iters"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -150,10 +157,16 @@ def main(argv=None) -> int:
     config_path = os.path.join(args.out, "demo.yaml")
     with open(config_path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(DEMO_CONFIG, handle, sort_keys=False)
-    results = {
-        name: run_variant(name, VARIANTS[name], config_path, prefix, args.out, args.train_iters)
-        for name in args.variants
-    }
+    try:
+        results = {
+            name: run_variant(name, VARIANTS[name], config_path, prefix, args.out,
+                              args.train_iters)
+            for name in args.variants
+        }
+    except subprocess.CalledProcessError as exc:  # its own output above says why
+        print(f"mea-demo: error: training exited with status {exc.returncode}: "
+              f"{' '.join(exc.cmd[1:])}", file=sys.stderr)
+        return 1
     table = summarize(results)
     png = os.path.join(args.out, "loss_curves.png")
     plot(results, png)

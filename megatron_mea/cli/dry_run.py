@@ -15,7 +15,7 @@ def main(argv=None) -> int:
     """CLI: `python -m megatron_mea.cli.dry_run --world-size N -- <flags>`."""
     argv = sys.argv[1:] if argv is None else argv
     own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
-    cli = argparse.ArgumentParser(prog="python -m megatron_mea.cli.dry_run")
+    cli = argparse.ArgumentParser(prog="mea-dry-run")
     cli.add_argument("--world-size", type=int, default=1, help="ranks the launch will start")
     cli.add_argument("--te-version", default=ASSUMED_TE_VERSION,
                      help="Transformer Engine version to assume when it is not installed")

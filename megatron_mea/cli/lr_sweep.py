@@ -1,10 +1,11 @@
-"""LR robustness sweep: baseline, MEA, MEA without head norm, KHA-Linear and KHA-MLP over a grid
-of peak learning rates, same seed and data order, each run through `mea-pretrain`.
+"""`mea-lr-sweep`: LR robustness sweep: baseline, MEA, MEA without head norm, KHA-Linear and
+KHA-MLP over a grid of peak learning rates, same seed and data order, each run through
+`mea-pretrain`.
 
-    python tools/lr_sweep.py --preset cpu                     # ~39 min on 2 cores, stdlib corpus
-    python tools/lr_sweep.py --preset gpu --data-path data/my_text_document \\
+    mea-lr-sweep --preset cpu                     # ~39 min on 2 cores, stdlib corpus
+    mea-lr-sweep --preset gpu --data-path data/my_text_document \\
         --set tokenizer_type=HuggingFaceTokenizer --set tokenizer_model=/path/to/tokenizer
-    python tools/lr_sweep.py --out runs/lr_sweep_cpu --summary-only --spike-threshold 0.3
+    mea-lr-sweep --out runs/lr_sweep_cpu --summary-only --spike-threshold 0.3
 
 Rerunning the same command continues an interrupted sweep: finished runs are kept, an
 interrupted run resumes from its last checkpoint. Outputs in --out: summary.txt and summary.json
@@ -52,7 +53,8 @@ _COMMON = {"qk_layernorm": False, "nan_policy": "stop", "seed": 1234, "weight_de
 
 PRESETS = {
     # The demo's MoE GPT (4 layers, 2 MoE; 8 query heads / 4 KV groups) on the stdlib corpus:
-    # 5 variants x 4 LRs x 240 steps (~0.5M tokens each); 39 minutes (2327 s) measured on 2 CPU cores.
+    # 5 variants x 4 LRs x 240 steps (~0.5M tokens each); 39 minutes (2327 s) measured on 2 CPU
+    # cores.
     # 3e-3 is about the best LR of every variant at this size; 1e-1 still trains and 3e-1 blows
     # up right after warm-up, so the grid spans the optimum and the break.
     "cpu": {
@@ -91,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The command-line flags; every preset field can be overridden."""
     rule = StabilityRule()
     parser = argparse.ArgumentParser(
-        prog="tools/lr_sweep.py", description=__doc__.split("\n\n")[0],
+        prog="mea-lr-sweep", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "definitions (steps after the LR warm-up; smoothed = mean of the last\n"

@@ -1,8 +1,11 @@
-"""`mea-pretrain`: Megatron-Core pretraining with MEA / KHA (also `python -m megatron_mea.pretrain`).
+"""`mea-pretrain`: Megatron-Core pretraining with MEA / KHA.
 
-Launch with torchrun on one or many nodes (NCCL on GPUs, gloo on CPU), or plainly for one process:
+Launch plainly for one process, or with torchrun on one or many nodes (NCCL on GPUs, gloo on
+CPU):
 
-    torchrun --nproc-per-node 2 -m megatron_mea.pretrain --config run.yaml --tensor-model-parallel-size 2
+    mea-pretrain --config run.yaml
+    torchrun --nproc-per-node 2 --no-python mea-pretrain --config run.yaml \\
+        --tensor-model-parallel-size 2
 """
 
 import logging
@@ -13,8 +16,16 @@ from megatron_mea.cpu import megatron_on_cpu
 
 @megatron_on_cpu()
 def main(argv=None) -> int:
-    """Parse and validate the arguments (before anything starts), then train."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Parse and validate the arguments (before anything starts), then train.
+
+    Args:
+        argv: the arguments. Default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0 trained, 1 stopped (non-finite loss, checkpoint refused), 2 usage.
+    """
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from megatron_mea.training.arguments import parse_args
 
     try:

@@ -1,5 +1,9 @@
 """Tiny random Hugging Face models of every supported family, built from configs (nothing is
-downloaded), saved as safetensors checkpoints for the converters."""
+downloaded), saved as safetensors checkpoints for the converters, and edited copies of them."""
+
+import json
+import os
+import shutil
 
 import torch
 
@@ -74,6 +78,27 @@ def save_hf_model(model, directory):
     """Save as safetensors (the format the importer reads)."""
     model.save_pretrained(directory, safe_serialization=True)
     return directory
+
+
+def edited_copy(hf_dir, destination, edit_tensors=None, edit_config=None):
+    """Copy an HF checkpoint directory, passing its tensors (a dict) and its config.json (a dict)
+    through the given functions, which edit them in place; returns `destination`."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(hf_dir, destination)
+    if edit_tensors:
+        path = os.path.join(destination, "model.safetensors")
+        tensors = load_file(path)
+        edit_tensors(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    if edit_config:
+        path = os.path.join(destination, "config.json")
+        with open(path) as handle:
+            config = json.load(handle)
+        edit_config(config)
+        with open(path, "w") as handle:
+            json.dump(config, handle)
+    return destination
 
 
 def tokens(batch=2, seed=3):

@@ -44,15 +44,3 @@ def perturb_plugin_params(source, destination, scale=0.3, seed=5):
         return tensors
 
     return rewrite_checkpoint(source, destination, edit)
-
-
-def convert_cli():
-    """`tools/convert_checkpoint.py` as a module (tools/ is not a package)."""
-    import importlib.util
-    import os
-
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "convert_checkpoint.py")
-    spec = importlib.util.spec_from_file_location("convert_checkpoint_cli", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

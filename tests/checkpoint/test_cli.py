@@ -1,15 +1,16 @@
-"""`tools/convert_checkpoint.py`: the command line runs the library's conversions."""
+"""`mea-convert`: the command line runs the library's conversions."""
 
 import os
+import shutil
 
 import yaml
 from safetensors.torch import load_file
 
-from tests.checkpoint._megatron import convert_cli
+from megatron_mea.cli.convert import main
+from tests.checkpoint._hf_models import edited_copy
 
 
 def test_import_and_export_through_the_command_line(checkpoints, tmp_path, capsys):
-    main = convert_cli().main
     hf_dir, _ = checkpoints.hf("mixtral")
     meg, out = str(tmp_path / "meg"), str(tmp_path / "hf")
     assert main(["--quiet", "import-hf", "--hf-dir", hf_dir, "--save", meg,
@@ -28,9 +29,43 @@ def test_import_and_export_through_the_command_line(checkpoints, tmp_path, capsy
 
 
 def test_layouts_the_model_cannot_take_are_refused_at_import(checkpoints, tmp_path, capsys):
-    main = convert_cli().main
     code = main(["--quiet", "import-hf", "--hf-dir", checkpoints.hf("qwen3")[0],
                  "--save", str(tmp_path / "meg"), "--attention-variant", "mea",
                  "--tensor-model-parallel-size", "8"])
     assert code == 1
     assert "must be divisible by tensor_model_parallel_size (8)" in capsys.readouterr().err
+
+
+def _one_error_line(capsys):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_refusals_are_one_line_and_leave_no_directory(checkpoints, tmp_path, capsys):
+    hf_dir = checkpoints.hf("qwen3")[0]
+    config = os.path.join(tmp_path, "bad", "config.json")
+    save = str(tmp_path / "meg")
+    for edit, message in (
+        (lambda c: c.pop("num_hidden_layers"), "field 'num_hidden_layers' is missing"),
+        (lambda c: c.update(hidden_size="64"), "field 'hidden_size' must be an integer, got '64'"),
+    ):
+        bad = edited_copy(hf_dir, str(tmp_path / "bad"), edit_config=edit)
+        assert main(["--quiet", "import-hf", "--hf-dir", bad, "--save", save]) == 1
+        assert _one_error_line(capsys) == f"error: {config}: {message}"
+        assert sorted(os.listdir(tmp_path)) == ["bad"]  # no --save directory
+        shutil.rmtree(bad)
+
+    before = sorted(os.listdir(hf_dir))  # --save the input folder: refused, left as it was
+    assert main(["--quiet", "import-hf", "--hf-dir", hf_dir, "--save", hf_dir]) == 1
+    assert _one_error_line(capsys).startswith(f"error: {hf_dir}: not empty (holds config.json")
+    assert sorted(os.listdir(hf_dir)) == before
+
+    reference = edited_copy(hf_dir, str(tmp_path / "ref"), edit_config=lambda c: c.update(
+        num_hidden_layers=3, layer_types=["full_attention"] * 3))
+    assert main(["--quiet", "export-hf", "--load", checkpoints.imported("qwen3"),
+                 "--save", str(tmp_path / "out"), "--reference", reference]) == 1
+    assert "num_hidden_layers is 3, the checkpoint's model has 2" in _one_error_line(capsys)
+    assert sorted(os.listdir(tmp_path)) == ["ref"]  # no weights without a config.json

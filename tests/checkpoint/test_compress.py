@@ -196,9 +196,7 @@ def test_probe_ranks_the_low_rank_layer_first(low_rank_first_layer, tmp_path, ca
     assert (first, second) == (0, 1)
     assert abs(cost0) < 1e-4 < cost1
 
-    from tests.checkpoint._megatron import convert_cli
-
-    main = convert_cli().main
+    from megatron_mea.cli.convert import main
 
     assert main(["--quiet", "probe", "--load", low_rank_first_layer, "--num-kv-components", "2",
                  "--data-path", prefix, "--seq-length", "12", "--num-samples", "6"]) == 0

@@ -1,6 +1,5 @@
 """Preprocessing: exact token ids on disk, bad inputs reported by file:line, atomic writes."""
 
-import importlib.util
 import json
 import os
 
@@ -175,11 +174,9 @@ def test_bad_arguments_fail_before_writing(tmp_path, tok):
 
 
 def _load_cli():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "preprocess_data.py")
-    spec = importlib.util.spec_from_file_location("preprocess_data_cli", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from megatron_mea.cli import preprocess
+
+    return preprocess
 
 
 def test_cli_exit_codes_and_summary(tmp_path, capsys):

@@ -1,13 +1,11 @@
-"""tools/model_size.py: parameter counts, FLOPs and KV-cache bytes for baseline / MEA / KHA."""
+"""`megatron_mea.model_size` and `mea-model-size`: parameter counts, FLOPs and KV-cache bytes
+for baseline / MEA / KHA."""
 
-import importlib.util
-from pathlib import Path
+import json
 
 import pytest
 
 from megatron_mea.model_size import ModelShape, model_size
-
-REPO = Path(__file__).resolve().parents[2]
 
 # The KHA paper's main model as in examples/megatron_lm/kha_moe_6b_a1b.sh.
 KHA_6B = dict(num_layers=24, hidden_size=1408, num_attention_heads=32, num_query_groups=4,
@@ -60,10 +58,9 @@ def test_dense_training_flops_follow_6n_plus_causal_attention():
 
 
 def test_cli_takes_launch_flags(capsys):
-    spec = importlib.util.spec_from_file_location("model_size_cli", REPO / "tools" / "model_size.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    size = cli.main(
+    from megatron_mea.cli.model_size import main
+
+    code = main(
         ["--json", "--num-layers", "24", "--hidden-size", "1408", "--num-attention-heads", "32",
          "--group-query-attention", "--num-query-groups", "4", "--kv-channels", "128", "--swiglu",
          "--num-experts", "128", "--moe-router-topk", "8", "--moe-ffn-hidden-size", "416",
@@ -72,5 +69,7 @@ def test_cli_takes_launch_flags(capsys):
          "--mea-num-kv-components", "2", "--disable-bias-linear", "--position-embedding-type",
          "rope"]
     )
-    assert size == model_size(ModelShape(**KHA_6B, attention_variant="mea", mea_num_kv_components=2))
-    assert '"kv_cache_bytes_per_token": 24576' in capsys.readouterr().out
+    size = json.loads(capsys.readouterr().out)
+    assert code == 0 and size["kv_cache_bytes_per_token"] == 24576
+    expected = ModelShape(**KHA_6B, attention_variant="mea", mea_num_kv_components=2)
+    assert size == model_size(expected)

@@ -1,4 +1,4 @@
-"""Soak test (not in CI): multi-process training killed at random moments and resumed.
+"""`mea-soak`: soak test (not in CI): multi-process training killed at random moments and resumed.
 
 Each episode trains a small MoE GPT with MEA for `--iters` steps twice on `--world-size` processes
 (torchrun, gloo on CPU): once uninterrupted (the reference), once under fire: the whole process
@@ -7,7 +7,7 @@ The episode passes when every iteration 1..N has a loss in the killed run's metr
 and each equals the reference bit for bit (no step repeated or skipped: data position, optimizer,
 RNG and weights all resumed exactly). Episodes repeat until `--minutes` have passed.
 
-    python tools/soak.py --minutes 20 --world-size 2
+    mea-soak --minutes 20 --world-size 2
 """
 
 import argparse
@@ -35,8 +35,8 @@ MODEL = [
 def launch(world_size, argv, log):
     """torchrun in a new session, so the whole group can be killed at once."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-               "--master-port", str(random.randint(20000, 40000)), "-m", "megatron_mea.pretrain",
-               *argv]
+               "--master-port", str(random.randint(20000, 40000)),
+               "-m", "megatron_mea.cli.pretrain", *argv]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -90,8 +90,15 @@ def episode(workdir, args, rng, log):
 
 
 def main(argv=None) -> int:
-    """Run episodes until the time budget is spent; exit 1 on any lost or repeated step."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """Run episodes until the time budget is spent.
+
+    Args:
+        argv: the arguments. Default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0 every episode passed, 1 a step was lost or differed (logs kept).
+    """
+    parser = argparse.ArgumentParser(prog="mea-soak", description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iters", type=int, default=60)

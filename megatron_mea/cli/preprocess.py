@@ -1,11 +1,12 @@
-"""Tokenize text files into a Megatron `.bin/.idx` dataset (flags as Megatron-LM's tool).
+"""`mea-preprocess`: tokenize text files into a Megatron `.bin/.idx` dataset.
 
-    python tools/preprocess_data.py --input 'corpus/*.jsonl' notes.txt \\
+    mea-preprocess --input 'corpus/*.jsonl' notes.txt \\
         --output-prefix data/corpus --tokenizer-type ByteLevelTokenizer --append-eod
 
-JSON-lines inputs (.jsonl, .ndjson, .json) hold one document per line under --json-keys; any
-other file is one document. Unlike Megatron-LM, the dataset is written to exactly
-<output-prefix>.bin/.idx (no `_text_document` suffix), and one worker process does the work.
+The flags are those of Megatron-LM's preprocessing tool. JSON-lines inputs (.jsonl, .ndjson,
+.json) hold one document per line under --json-keys; any other file is one document. Unlike
+Megatron-LM, the dataset is written to exactly <output-prefix>.bin/.idx (no `_text_document`
+suffix), and one worker process does the work.
 
 Exit status: 0 when a dataset was written (malformed inputs are reported but skipped), 1 when no
 document was written, 2 on a usage error or, with --strict, on any malformed input.
@@ -13,22 +14,18 @@ document was written, 2 on a usage error or, with --strict, on any malformed inp
 
 import argparse
 import glob
-import importlib.util
 import logging
 import os
 import sys
 
-if importlib.util.find_spec("megatron_mea") is None:
-    # Lets `python tools/preprocess_data.py` run from a checkout that is not pip-installed.
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mea.data.preprocess import PreprocessError, preprocess_files  # noqa: E402
-from megatron_mea.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_mea.data.preprocess import PreprocessError, preprocess_files
+from megatron_mea.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 
 def _parse_args(argv):
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="mea-preprocess", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     group = parser.add_argument_group("input data")
     group.add_argument(
@@ -95,7 +92,14 @@ def _expand_inputs(parser, patterns):
 
 
 def main(argv=None) -> int:
-    """Run the tool; returns the exit status."""
+    """Tokenize the inputs and write the dataset.
+
+    Args:
+        argv: the arguments. Default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status (module docstring).
+    """
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:

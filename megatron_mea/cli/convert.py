@@ -1,25 +1,28 @@
-"""Checkpoint conversion: Hugging Face <-> Megatron (`torch_dist`), upcycling, MEA KV compression.
+"""`mea-convert`: HF <-> Megatron (`torch_dist`) checkpoints, upcycling, MEA KV compression.
 
 A thin command line over `megatron_mea.checkpoint`::
 
     # HF -> Megatron, as the baseline, MEA (identity mixing) or KHA (identity) for continued
     # pretraining; the checkpoint loads at any TP / PP / EP
-    python tools/convert_checkpoint.py import-hf --hf-dir Qwen3-30B-A3B --save ckpt/qwen3 \
+    mea-convert import-hf --hf-dir Qwen3-30B-A3B --save ckpt/qwen3 \
         --attention-variant mea [--mea-head-norm] [--tensor-model-parallel-size 4 ...]
     mea-pretrain --config ckpt/qwen3/config.yaml --load ckpt/qwen3 --save ckpt/run ...
 
     # Megatron -> HF: plain family architecture (baseline; MEA without head norm and
     # KHA-Linear folded) or our modeling code (`--format native`; MEA with head norm, KHA-MLP)
-    python tools/convert_checkpoint.py export-hf --load ckpt/run --save hf/run \
+    mea-convert export-hf --load ckpt/run --save hf/run \
         [--format auto|plain|native] [--reference Qwen3-30B-A3B]
 
     # MEA post-hoc KV compression (SVD over K/V heads) and the per-layer loss probe
-    python tools/convert_checkpoint.py probe --load ckpt/qwen3 --num-kv-components 2 \
+    mea-convert probe --load ckpt/qwen3 --num-kv-components 2 \
         --data-path data/corpus --seq-length 1024 --num-samples 32
-    python tools/convert_checkpoint.py compress --load ckpt/qwen3 --save ckpt/qwen3-kv2 \
+    mea-convert compress --load ckpt/qwen3 --save ckpt/qwen3-kv2 \
         --num-kv-components 2 --layers all
 
-Exit status: 0 on success, 1 when a checkpoint or config is refused (the message names the
+Every --save must be a new or empty directory; it is written under a temporary name next to it
+and renamed at the end, so a refused or failed conversion leaves nothing behind.
+
+Exit status: 0 on success, 1 when a checkpoint or config is refused (one line naming the file,
 tensor or field), 2 on usage errors.
 """
 
@@ -103,7 +106,7 @@ def _probe(args):
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (one sub-command per conversion)."""
     parser = argparse.ArgumentParser(
-        prog="convert_checkpoint.py",
+        prog="mea-convert",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -113,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp = commands.add_parser("import-hf", help="Hugging Face safetensors -> torch_dist")
     imp.add_argument("--hf-dir", required=True,
                      help="HF model directory (config.json + safetensors)")
-    imp.add_argument("--save", required=True, help="output checkpoint directory (empty)")
+    imp.add_argument("--save", required=True, help="output checkpoint directory (new or empty)")
     imp.add_argument("--attention-variant", choices=("standard", "mea", "kha"), default="standard")
     imp.add_argument("--mea-head-norm", action="store_true",
                      help="MEA: add the head norm (scale 1; changes the function). Default: off")
@@ -131,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = commands.add_parser("export-hf", help="torch_dist -> Hugging Face safetensors")
     exp.add_argument("--load", required=True, help="checkpoint directory (mea-pretrain --save)")
-    exp.add_argument("--save", required=True, help="output HF directory (empty)")
+    exp.add_argument("--save", required=True, help="output HF directory (new or empty)")
     exp.add_argument("--format", choices=("auto", "plain", "native"), default="auto")
     exp.add_argument("--reference", default=None,
                      help="HF directory whose config.json is the template "
@@ -150,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="all | middle-half | all-but-first-N | 0,3,5-7. Default: all")
         sub.add_argument("--iteration", type=int, default=None, help="default: the latest")
         if name == "compress":
-            sub.add_argument("--save", required=True, help="output checkpoint directory (empty)")
+            sub.add_argument("--save", required=True,
+                             help="output checkpoint directory (new or empty)")
             sub.add_argument("--mea-head-norm", action=argparse.BooleanOptionalAction,
                              default=None, help="default: keep the checkpoint's (baseline: none)")
             sub.set_defaults(run=_compress)
@@ -165,7 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 @megatron_on_cpu()
 def main(argv=None) -> int:
-    """Run one conversion; returns the exit status."""
+    """Run one conversion.
+
+    Args:
+        argv: the arguments. Default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0 done, 1 refused (`error: ...` on stderr), 2 usage (argparse exits).
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
@@ -174,7 +185,8 @@ def main(argv=None) -> int:
 
     try:
         args.run(args)
-    except (ConversionError, CheckpointError, ValueError) as exc:
+    except (ConversionError, CheckpointError, ValueError, OSError) as exc:
+        # ConversionError is a ValueError; OSError: unreadable inputs, unwritable outputs.
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

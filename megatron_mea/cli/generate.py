@@ -1,7 +1,7 @@
-"""Generate text from a `mea-pretrain` checkpoint, with a KV cache, at any tensor-parallel size.
+"""`mea-generate`: text from a `mea-pretrain` checkpoint, with a KV cache, at any TP size.
 
-    python tools/generate.py --load runs/mea --prompt "Once upon a time" --max-new-tokens 64
-    torchrun --nproc-per-node 2 tools/generate.py --load runs/mea --tp 2 \
+    mea-generate --load runs/mea --prompt "Once upon a time" --max-new-tokens 64
+    torchrun --nproc-per-node 2 --no-python mea-generate --load runs/mea --tp 2 \
         --prompt-file prompts.txt --temperature 0.8 --top-p 0.9 --batch-size 8
 
 Prompts come from `--prompt` (repeatable) and `--prompt-file` (one per line). Greedy decoding by
@@ -15,15 +15,12 @@ import logging
 import os
 import sys
 
-# Run from a checkout without installing: the repository root holds the package.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_mea.cpu import megatron_on_cpu  # noqa: E402 (after the path set-up)
+from megatron_mea.cpu import megatron_on_cpu
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
-    parser = argparse.ArgumentParser(prog="tools/generate.py", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="mea-generate", description=__doc__.split("\n")[0])
     parser.add_argument("--load", required=True,
                         help="run directory (with config.yaml) or one of its iter_XXXXXXX folders")
     parser.add_argument("--iteration", type=int, help="checkpoint iteration. Default: latest")
@@ -52,7 +49,14 @@ def _prompts(args) -> list:
 
 @megatron_on_cpu()
 def main(argv=None) -> int:
-    """Load, generate, print; returns the exit code."""
+    """Load the checkpoint, generate, print the texts and the statistics.
+
+    Args:
+        argv: the arguments. Default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0 done, 1 the checkpoint cannot be loaded at this TP size, 2 usage.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     prompts = _prompts(args)
@@ -74,7 +78,6 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:  # a missing or broken checkpoint, or a TP size the model cannot be split into
-
         loaded = load_for_inference(args.load, args.tp, iteration=args.iteration)
     except (FileNotFoundError, CheckpointError, ValueError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
