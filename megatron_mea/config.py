@@ -22,7 +22,7 @@ KHA_TARGETS = ("q", "k", "v")
 # attention module altogether. Each maps to the reason shown to the user.
 _UNSUPPORTED_WITH_VARIANTS = {
     "fused_single_qkv_rope": "it skips the q/k/v split the variants act on",
-    "flash_decode": "static flash-decode bypasses the KV-cache seam where MEA rebuilds its heads",
+    "flash_decode": "its GPU kernel path skips the variants' KV-cache handling",
     "fp8_multi_head_attention": "it hands FP8 tensors to the plugin's bf16 ops",
     "multi_latent_attention": "MLA has its own attention module (use attention_variant='standard')",
     "attention_output_gate": "the gated output path is not supported by the variants yet",

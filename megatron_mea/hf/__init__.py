@@ -6,7 +6,7 @@ Importing this package registers the configs with `AutoConfig` and the models wi
     import megatron_mea.hf  # noqa: F401
     model = AutoModelForCausalLM.from_pretrained(exported_dir)
 
-works for checkpoints written by `tools/convert_checkpoint.py export-hf` in the native format.
+works for checkpoints written by `mea-convert export-hf` in the native format.
 Exports also carry these two files with an `auto_map`, so `trust_remote_code=True` works
 without installing megatron_mea.
 """

@@ -4,9 +4,18 @@ Each class is the stock family model (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) w
 `self_attn` is a `VariantAttention`: the same `q_proj` / `k_proj` / `v_proj` / `o_proj` (and
 `q_norm` / `k_norm`) plus the plugin's parameters under the names Megatron uses
 (`self_attn.head_mix.key_weight`, `self_attn.head_norm.weight`, `self_attn.knock.v_up`...).
-The order of operations is Megatron's (SPEC.md): split -> KHA -> q/k norm, MEA mixing -> k norm
--> RoPE -> attention -> head norm -> `o_proj`. With MEA the K/V cache holds the composite heads
-(this port is for evaluation; the compressed cache is Megatron's).
+The order of operations is Megatron's: split -> KHA -> q/k norm, MEA mixing -> k norm
+-> RoPE -> attention -> head norm -> `o_proj`.
+
+KV cache. With MEA virtual heads (`nc < ng`) the cache holds what `nc` components need, so
+`generate` keeps `nc/ng` of the baseline's K/V: per layer and token, keys `RoPE(w * k_c)` (`w`
+the k norm's scale, if any) and values `v_c`, followed by the k norm's inverse RMS of every
+composite key (`ng` scalars), packed as one pseudo-head: keys `[b, 1, T, nc*hn]`, values
+`[b, 1, T, nc*hn (+ ng)]` (stock `DynamicCache`s take any such shape). The mix is linear and the
+RMS norm is that scale times one scalar per composite key, so the attention over the cache is
+exact with the mix moved to the query side: `q_h . k_g = r_g sum_c A_k[c, g] (q_h . K_c)`, and
+`sum_c A_v[c, g] (p_h @ V_c)` for the values. The prompt (an empty cache) attends through the
+composite heads; otherwise (KHA, `nc == ng`) the cache holds the composite heads as usual.
 
 Self-contained (imports torch, transformers and the sibling configuration file) so that an export
 can carry it for `trust_remote_code=True`. Written against transformers 5.x.
@@ -115,6 +124,42 @@ class Knock(nn.Module):
         return heads["q"], heads["k"], heads["v"]
 
 
+def _component_attention(query, keys, values, num_scales, key_mix, value_mix, scaling, mask):
+    """Attention over a component cache (see the module docstring).
+
+    Args:
+        query: `[b, np, s, hn]`, RoPE'd; query i sits at position `T - s + i`.
+        keys: `[b, 1, T, nc*hn]`; values: `[b, 1, T, nc*hn + num_scales]`.
+        num_scales: ng when the values carry the inverse RMS of each composite key, else 0.
+        key_mix, value_mix: `A_k`, `A_v` `[nc, ng]`.
+        scaling: the softmax scale.
+        mask: None (causal), bool (True = attend) or additive float, `[b, 1, s, >=T]`.
+
+    Returns:
+        `[b, s, np, hn]`.
+    """
+    b, num_heads, s, hn = query.shape
+    num_cached, nc = keys.shape[2], key_mix.shape[0]
+    per_group = num_heads // key_mix.shape[1]
+    keys, values = keys[:, 0], values[:, 0]
+    mixed = torch.einsum("bhsd,ch->bhscd", query, key_mix.repeat_interleave(per_group, 1))
+    scores = torch.matmul(mixed.reshape(b, num_heads * s, nc * hn), keys.transpose(1, 2))
+    scores = scores.view(b, num_heads, s, num_cached).float() * scaling
+    if num_scales:
+        inverse_rms = values[..., nc * hn :].float().transpose(1, 2)  # [b, ng, T]
+        scores = scores * inverse_rms.repeat_interleave(per_group, 1)[:, :, None, :]
+    if mask is None:
+        causal = torch.ones(s, num_cached, dtype=torch.bool, device=query.device)
+        scores = scores.masked_fill(causal.triu(num_cached - s + 1), float("-inf"))
+    elif mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask[..., :num_cached], float("-inf"))
+    else:
+        scores = scores + mask[..., :num_cached]
+    probs = scores.softmax(dim=-1).to(query.dtype).view(b, num_heads * s, num_cached)
+    out = torch.matmul(probs, values[..., : nc * hn]).view(b, num_heads, s, nc, hn)
+    return torch.einsum("bhscd,ch->bshd", out, value_mix.repeat_interleave(per_group, 1))
+
+
 class VariantAttention(nn.Module):
     """Self-attention with MEA or KHA, a drop-in for the family's attention module."""
 
@@ -156,6 +201,8 @@ class VariantAttention(nn.Module):
             self.knock = Knock(kha, targets, hn)
         else:
             raise ValueError(f"attention_variant ({variant!r}) must be 'mea' or 'kha'")
+        # Virtual heads cache their components (nc/ng of the memory); nc == ng, the composites.
+        self.caches_components = components < groups
 
     def forward(self, hidden_states, position_embeddings, attention_mask=None, cache=None,
                 past_key_values=None, **kwargs):
@@ -168,26 +215,70 @@ class VariantAttention(nn.Module):
         value = self.v_proj(hidden_states).view(b, s, self.num_components, hn)
         if self.knock is not None:
             query, key, value = self.knock(query, key, value)
-        if self.head_mix is not None:
-            key, value = self.head_mix(key, value)
         if self.q_norm is not None:
-            query, key = self.q_norm(query), self.k_norm(key)
+            query = self.q_norm(query)
+        weights = None
+        if self.caches_components and cache is not None:
+            output = self._attend_with_component_cache(
+                query, key, value, position_embeddings, attention_mask, cache, kwargs
+            )
+        else:
+            if self.head_mix is not None:
+                key, value = self.head_mix(key, value)
+            query, key, value = self._rope_and_transpose(query, key, value, position_embeddings)
+            if cache is not None:
+                key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+            output, weights = self._attend(query, key, value, attention_mask, kwargs)
+        if self.head_norm is not None:
+            output = self.head_norm(output)
+        return self.o_proj(output.reshape(b, s, -1).contiguous()), weights
+
+    def _rope_and_transpose(self, query, key, value, position_embeddings):
+        """k norm, then `[b, s, heads, hn]` -> RoPE'd `[b, heads, s, hn]`."""
+        if self.k_norm is not None:
+            key = self.k_norm(key)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
-        cos, sin = position_embeddings
-        query, key = apply_rotary_pos_emb(query, key, cos, sin)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
+        query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
+        return query, key, value
+
+    def _attend(self, query, key, value, attention_mask, kwargs):
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
-        output, weights = attention(
+        return attention(
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, **kwargs,
         )
-        if self.head_norm is not None:
-            output = self.head_norm(output)
-        return self.o_proj(output.reshape(b, s, -1).contiguous()), weights
+
+    def _attend_with_component_cache(self, query, key, value, position_embeddings,
+                                     attention_mask, cache, kwargs):
+        """Cache this step's component entries; attend over the whole cache from them (or, for
+        the prompt, through the composite heads). Returns `[b, s, np, hn]`."""
+        b, s = query.shape[:2]
+        past = cache.get_seq_length(self.layer_idx)
+        composite_key, composite_value = self.head_mix(key, value)
+        cached_value = value.reshape(b, 1, s, -1)
+        if self.k_norm is not None:
+            wide = composite_key.float()
+            inverse_rms = torch.rsqrt(wide.pow(2).mean(-1) + self.k_norm.eps)  # [b, s, ng]
+            cached_value = torch.cat([cached_value, inverse_rms.to(value.dtype)[:, None]], -1)
+            key = key * self.k_norm.weight  # elementwise, the same for every head: commutes
+        cos, sin = position_embeddings
+        query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
+        cached_key = key.transpose(1, 2).reshape(b, 1, s, -1)
+        keys, values = cache.update(cached_key, cached_value, self.layer_idx, kwargs=kwargs)
+        if past == 0:  # the prompt: through the composite heads, as without a cache
+            if self.k_norm is not None:
+                composite_key = self.k_norm(composite_key)
+            _, composite_key = apply_rotary_pos_emb(query, composite_key.transpose(1, 2), cos, sin)
+            composite_value = composite_value.transpose(1, 2)
+            return self._attend(query, composite_key, composite_value, attention_mask, kwargs)[0]
+        num_scales = values.shape[-1] - keys.shape[-1]
+        return _component_attention(
+            query, keys, values, num_scales, self.head_mix.key_weight,
+            self.head_mix.value_weight, self.scaling, attention_mask,
+        )
 
 
 def _swap_attention(model, config, qkv_bias, qk_norm):

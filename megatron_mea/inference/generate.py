@@ -1,9 +1,10 @@
 """Text generation on Megatron-Core's static inference context (a preallocated KV cache).
 
-The cache holds what each attention layer stores: the K/V groups for the baseline and KHA, and
-only the `nc` component heads for MEA, whose composite heads are rebuilt from the cached prefix
-at every step (`MEASelfAttention._adjust_key_value_for_inference`: HLC, then `k_layernorm`, then
-RoPE). With `nc = ng/2` the cache is half the baseline's. Megatron's dynamic (paged) context
+The cache holds what each attention layer stores: the K/V groups for the baseline and KHA; for
+MEA with virtual heads (`nc < ng`) the `nc` RoPE'd component heads plus, with qk_layernorm, one
+scalar per composite head and token, and each step attends over them directly with the mix on
+the query side (`megatron_mea/layers/kv_cache.py`, docs/inference-decode.md). With `nc = ng/2`
+the cache is half the baseline's K/V plus those scalars. Megatron's dynamic (paged) context
 needs flash-attn and is not supported by MEA (its layer raises NotImplementedError).
 
 Prompts of different lengths share one batch the way Megatron's static engine does it: the

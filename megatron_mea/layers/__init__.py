@@ -1,6 +1,6 @@
 """Megatron modules of the MEA and KHA variants."""
 
-from megatron_mea.layers.attention import KHASelfAttention, MEASelfAttention, split_qkv
+from megatron_mea.layers.attention import KHASelfAttention
 from megatron_mea.layers.fold_cache import (
     FoldCache,
     enable_fold_cache,
@@ -8,18 +8,21 @@ from megatron_mea.layers.fold_cache import (
     with_fold_flush,
 )
 from megatron_mea.layers.head_mix import HeadMix
-from megatron_mea.layers.head_norm import HeadRMSNorm
+from megatron_mea.layers.head_norm import HeadNormedProjection, HeadRMSNorm
 from megatron_mea.layers.knock import KnockingHeads
+from megatron_mea.layers.kv_cache import MEAKVCache
+from megatron_mea.layers.mea_attention import MEASelfAttention
 
 __all__ = [
     "FoldCache",
     "HeadMix",
+    "HeadNormedProjection",
     "HeadRMSNorm",
     "KHASelfAttention",
     "KnockingHeads",
+    "MEAKVCache",
     "MEASelfAttention",
     "enable_fold_cache",
     "flush_fold_caches",
-    "split_qkv",
     "with_fold_flush",
 ]

@@ -21,7 +21,8 @@ from typing import Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mea.layers.attention import KHASelfAttention, MEASelfAttention
+from megatron_mea.layers.attention import KHASelfAttention
+from megatron_mea.layers.mea_attention import MEASelfAttention
 
 
 class FoldCache:

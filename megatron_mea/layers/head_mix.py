@@ -7,12 +7,20 @@ Shape legend: `s` sequence, `b` batch, `nc` component heads, `ng` composite head
 import torch
 from megatron.core.utils import divide, get_pg_rank, get_pg_size
 
-from megatron_mea.ops import fold_head_mix, head_mix, mix_init, rows_with_bias, split_bias
+from megatron_mea.ops import (
+    fold_head_mix,
+    fuse_qkv,
+    head_mix,
+    mix_init,
+    rows_with_bias,
+    split_bias,
+    unfuse_qkv,
+)
 from megatron_mea.parallel import gather_rows, heads_to_tokens, tokens_to_heads, tp_replicated
 
 
 class HeadMix(torch.nn.Module):
-    """Composite K/V heads as learned combinations of the component heads (SPEC section 1).
+    """Composite K/V heads as learned combinations of the component heads (docs/math.md).
 
     Parameters (TP-replicated; every forward routes them through `tp_replicated`, so their
     gradients are summed over the TP group before any optimizer or DDP sees them):
@@ -81,14 +89,15 @@ class HeadMix(torch.nn.Module):
         kv = torch.stack([key, value], dim=-2).view(s * b, -1)  # [N, nc_loc*2*hn]
         kv = heads_to_tokens(kv, self.tp_group)  # [t_src, n_r, nc_loc*2*hn]
         shard = kv.shape[1]
-        kv = kv.view(world, shard, -1, 2, self.head_dim)
+        kv = kv.view(world, shard, key.shape[2], 2, self.head_dim)  # shard may be 0 tokens
         # HLC (ops.head_mix) with the component axis split as (source rank, local component) and
         # the composite axis as (destination rank, local composite): the einsum reads the
         # received buffer and writes the send buffer, with no permute materialised around it.
         mix = torch.stack([key_weight, value_weight])  # [2, nc, ng]
         mix = mix.view(2, world, -1, world, self.groups_per_rank)
         kv = torch.einsum("rnjkd,krjeh->enhkd", kv, mix)  # [t_dst, n_r, ng_loc, 2, hn]
-        kv = tokens_to_heads(kv.contiguous().view(world, shard, -1), self.tp_group, s * b)
+        features = self.groups_per_rank * 2 * self.head_dim
+        kv = tokens_to_heads(kv.contiguous().view(world, shard, features), self.tp_group, s * b)
         kv = kv.view(s, b, -1, 2, self.head_dim)  # [s, b, ng_loc, 2, hn]
         return kv[..., 0, :], kv[..., 1, :]
 
@@ -108,34 +117,23 @@ class HeadMix(torch.nn.Module):
         """
         hn, nc = self.head_dim, self.num_components
         rows = rows_with_bias(weight, bias)
-        columns = rows.shape[1]
-        heads_per_component = num_heads // nc
         if self.duplicated:
             # Rows are split evenly, not by group: gather all of them, keep our query heads.
-            rows = gather_rows(rows, self.tp_group).view(nc, heads_per_component + 2, hn, columns)
+            query, key, value = unfuse_qkv(gather_rows(rows, self.tp_group), num_heads, nc, hn)
             local_heads = num_heads // self.world_size
-            query = rows[:, :heads_per_component].reshape(num_heads, hn, columns)
-            start = self.rank * local_heads
-            query = query[start : start + local_heads]
-            kv = rows[:, heads_per_component:]
+            query = query.narrow(0, self.rank * local_heads, local_heads)
         else:
-            rows = rows.view(-1, heads_per_component + 2, hn, columns)
-            query = rows[:, :heads_per_component]
+            heads = divide(num_heads, self.world_size)
+            query, key, value = unfuse_qkv(rows, heads, divide(nc, self.world_size), hn)
             # K and V rows of every rank in one collective: [nc, 2, hn, columns].
-            kv = gather_rows(rows[:, heads_per_component:], self.tp_group)
+            kv = gather_rows(torch.stack([key, value], dim=1), self.tp_group)
+            key, value = kv[:, 0], kv[:, 1]
         key_weight = tp_replicated(self.key_weight, self.tp_group)[:, self.local_groups]
         value_weight = tp_replicated(self.value_weight, self.tp_group)[:, self.local_groups]
         # Fold in fp32 (a bf16 fold would round every composite row once more than mixing does).
         wide = torch.promote_types(weight.dtype, torch.float32)
-        key = fold_head_mix(kv[:, 0].to(wide), key_weight.to(wide))  # [ng_loc, hn, columns]
-        value = fold_head_mix(kv[:, 1].to(wide), value_weight.to(wide))
-        groups = key.shape[0]
-        folded = torch.cat(
-            [
-                query.reshape(groups, -1, columns),  # np/ng query heads per composite group
-                key.to(weight.dtype),
-                value.to(weight.dtype),
-            ],
-            dim=1,
-        ).view(-1, columns)
+        key = fold_head_mix(key.to(wide), key_weight.to(wide))  # [ng_loc, hn, columns]
+        value = fold_head_mix(value.to(wide), value_weight.to(wide))
+        # np_loc/ng_loc query heads per composite group: Megatron's plain GQA layout.
+        folded = fuse_qkv(query, key.to(weight.dtype), value.to(weight.dtype))
         return split_bias(folded, bias is not None)

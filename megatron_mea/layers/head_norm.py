@@ -1,4 +1,5 @@
-"""MEA head-level group norm: RMSNorm of each query head's attention output, sharded by heads."""
+"""MEA head-level group norm: RMSNorm of each query head's attention output, sharded by heads,
+and its composition with the output projection."""
 
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -56,3 +57,33 @@ class HeadRMSNorm(MegatronModule):
             tp_group=self.tp_group,
             dp_cp_group=metadata["dp_cp_group"],
         )
+
+
+class HeadNormedProjection(torch.nn.Module):
+    """MEA's `linear_proj` step: the head norm, then the output projection.
+
+    Megatron's `Attention.forward` calls `self.linear_proj(core_attn_out)` on every path (static,
+    dynamic, checkpointed, packed); `MEASelfAttention.linear_proj` returns this composition there.
+    It holds plain references, not submodules: the attention registers both modules itself, so
+    the state dict keeps `head_norm.weight` and `linear_proj.*`.
+
+    Args:
+        head_norm: a `HeadRMSNorm`.
+        projection: the attention's `linear_proj` (a row-parallel linear).
+    """
+
+    def __init__(self, head_norm: HeadRMSNorm, projection: torch.nn.Module):
+        super().__init__()
+        object.__setattr__(self, "head_norm", head_norm)
+        object.__setattr__(self, "projection", projection)
+
+    def forward(self, core_attn_out: torch.Tensor):
+        """`[s, b, np_loc*hn]` -> the projection's `(output [s, b, h], bias)`."""
+        return self.projection(self.head_norm(core_attn_out))
+
+    def __getattr__(self, name):
+        # Everything else is the projection's (`backward_dw`, `_set_residual`, `weight`...).
+        projection = self.__dict__.get("projection")
+        if projection is None:  # mid-construction or mid-unpickling
+            raise AttributeError(name)
+        return getattr(projection, name)

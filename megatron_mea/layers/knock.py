@@ -2,12 +2,20 @@
 
 import torch
 
-from megatron_mea.ops import fold_kha_linear, kha_linear, kha_mlp, rows_with_bias, split_bias
+from megatron_mea.ops import (
+    fold_kha_linear,
+    fuse_qkv,
+    kha_linear,
+    kha_mlp,
+    rows_with_bias,
+    split_bias,
+    unfuse_qkv,
+)
 from megatron_mea.parallel import tp_replicated
 
 
 class KnockingHeads(torch.nn.Module):
-    """Knocking-heads transforms of Q/K/V, per head along the feature axis (SPEC section 2).
+    """Knocking-heads transforms of Q/K/V, per head along the feature axis (docs/math.md).
 
     Parameters (all `[hn, hn]`, TP-replicated; every forward routes them through `tp_replicated`,
     so their gradients, partial over each rank's heads, are summed over the TP group):
@@ -67,15 +75,10 @@ class KnockingHeads(torch.nn.Module):
         """
         hn = self.head_dim
         rows = rows_with_bias(weight, bias)
-        columns = rows.shape[1]
-        per_group = num_heads // num_groups
-        rows = rows.view(num_groups, per_group + 2, hn, columns)
         wide = torch.promote_types(weight.dtype, torch.float32)  # fold in fp32, as HLC's
-        parts = {"q": rows[:, :per_group], "k": rows[:, per_group:-1], "v": rows[:, -1:]}
+        parts = dict(zip("qkv", unfuse_qkv(rows, num_heads, num_groups, hn)))
         for target in self.targets:
-            part = parts[target]
             transform = tp_replicated(getattr(self, f"{target}_weight"), self.tp_group)
-            folded = fold_kha_linear(part.reshape(-1, hn, columns).to(wide), transform.to(wide))
-            parts[target] = folded.view(part.shape).to(weight.dtype)
-        folded = torch.cat([parts["q"], parts["k"], parts["v"]], dim=1).view(-1, columns)
-        return split_bias(folded, bias is not None)
+            folded = fold_kha_linear(parts[target].to(wide), transform.to(wide))
+            parts[target] = folded.to(weight.dtype)
+        return split_bias(fuse_qkv(parts["q"], parts["k"], parts["v"]), bias is not None)

@@ -11,10 +11,12 @@ from megatron_mea.ops.functional import (
     rows_with_bias,
     split_bias,
 )
+from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 
 __all__ = [
     "fold_head_mix",
     "fold_kha_linear",
+    "fuse_qkv",
     "head_mix",
     "head_rms_norm",
     "kha_linear",
@@ -22,4 +24,5 @@ __all__ = [
     "mix_init",
     "rows_with_bias",
     "split_bias",
+    "unfuse_qkv",
 ]

@@ -60,6 +60,26 @@ def rope(x: torch.Tensor, base: float, offset: int = 0) -> torch.Tensor:
     return x * angles.cos() + torch.cat([-x2, x1], dim=-1) * angles.sin()
 
 
+def causal_attention(q, k, v, scale: float) -> torch.Tensor:
+    """Causal softmax attention with GQA, queries at the last positions.
+
+    Args:
+        q: `[s, b, np, hn]`, query i at position `T - s + i`.
+        k, v: `[T, b, ng, hn]`; query head i uses group `i // (np/ng)`.
+        scale: softmax scale.
+
+    Returns:
+        `[s, b, np, hn]`.
+    """
+    s, num_heads, num_cached = q.shape[0], q.shape[2], k.shape[0]
+    k = k.repeat_interleave(num_heads // k.shape[2], dim=2)
+    v = v.repeat_interleave(num_heads // v.shape[2], dim=2)
+    scores = torch.einsum("sbnd,tbnd->bnst", q, k) * scale
+    causal = torch.ones(s, num_cached, dtype=torch.bool).triu(num_cached - s + 1)
+    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
+    return torch.einsum("bnst,tbnd->sbnd", probs, v)
+
+
 def attention_ref(
     x: torch.Tensor,
     p: AttentionParams,
@@ -69,7 +89,7 @@ def attention_ref(
     rope_base: Optional[float] = 10000.0,
     eps: float = 1e-5,
 ) -> torch.Tensor:
-    """Causal self-attention with the MEA / KHA transforms, order as in SPEC.md.
+    """Causal self-attention with the MEA / KHA transforms, order as in docs/math.md.
 
     split -> KHA (q, k, v) -> q_norm | HLC -> k_norm -> RoPE -> softmax attention -> head norm
     -> output projection.
@@ -108,14 +128,7 @@ def attention_ref(
     if rope_base is not None:
         q, k = rope(q, rope_base), rope(k, rope_base)
 
-    num_groups = k.shape[2]
-    # GQA: query head i attends with K/V group i // (np / ng).
-    k = k.repeat_interleave(num_heads // num_groups, dim=2)
-    v = v.repeat_interleave(num_heads // num_groups, dim=2)
-    scores = torch.einsum("sbnd,tbnd->bnst", q, k) / head_dim**0.5
-    causal = torch.ones(s, s, dtype=torch.bool).triu(1)
-    probs = scores.masked_fill(causal, float("-inf")).softmax(dim=-1)
-    out = torch.einsum("bnst,tbnd->sbnd", probs, v)
+    out = causal_attention(q, k, v, head_dim**-0.5)
     if p.head_norm is not None:
         out = head_rms_norm(out, p.head_norm.view(num_heads, head_dim), eps)
     return torch.nn.functional.linear(out.reshape(s, b, -1), p.w_o)

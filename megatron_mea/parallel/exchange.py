@@ -3,9 +3,9 @@
 Counts are elements one rank sends over the whole forward + backward of one layer (multiply by the
 element size for bytes), with direct (pairwise) collectives: an all-to-all sends every chunk but
 its own, an all-gather sends the local shard to `t-1` ranks, a reduce-scatter sends `t-1` of its
-`t` chunks. `tools/bench_attention.py` checks these formulas against counted collectives.
+`t` chunks. `mea-bench-attention` checks these formulas against counted collectives.
 
-Notation as in SPEC section 3: `N` tokens entering `linear_qkv` (`s*b`, the full sequence also
+Notation (docs/tensor-parallel.md): `N` tokens entering `linear_qkv` (`s*b`, the full sequence also
 under SP), `nc` components, `ng` composite K/V heads, `np` query heads, `hn` head dim, `h` hidden
 size, `t` TP size.
 """

@@ -103,3 +103,44 @@ def test_native_export_loads_with_trust_remote_code(checkpoints, tmp_path):
                             cwd=str(tmp_path), env={**os.environ, "PYTHONPATH": ""}, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "MegatronMEAQwen3ForCausalLM" in result.stdout
+
+
+def _cache_elements(model, ids):
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).cache
+    return sum(layer.keys.numel() + layer.values.numel() for layer in cache.layers)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_native_export_generates_from_a_component_cache_of_half_the_baseline(
+    checkpoints, tmp_path, attention
+):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_mea.checkpoint import compress_checkpoint
+
+    trained = perturb_plugin_params(checkpoints.imported("qwen3", "mea", mea_head_norm=True),
+                                    str(tmp_path / "trained"))
+    compressed = str(tmp_path / "nc2")
+    compress_checkpoint(trained, compressed, 2)  # 2 components for the 4 K/V heads
+    out = str(tmp_path / "hf")
+    assert export_hf_checkpoint(compressed, out) == "native"
+    model = AutoModelForCausalLM.from_pretrained(
+        out, trust_remote_code=True, attn_implementation=attention
+    ).eval()
+    ids = tokens()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # a left-padded row: the cache path honours the padding mask too
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                    output_scores=True, return_dict_in_generate=True)
+    cached = model.generate(ids, **settings)
+    uncached = model.generate(ids, use_cache=False, **settings)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for got, want in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # Per layer and token: 2 x 2 components of 8 channels and 4 inverse RMS (one per composite
+    # key), against the baseline's 2 x 4 heads of 8.
+    baseline = _cache_elements(checkpoints.hf("qwen3")[1], ids)
+    b, t = ids.shape
+    assert baseline == 2 * b * t * 2 * 4 * 8
+    assert _cache_elements(model, ids) == baseline // 2 + 2 * b * t * 4

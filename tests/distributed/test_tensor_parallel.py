@@ -10,7 +10,7 @@ from tests.distributed import _workers
 VARIANTS = [
     ("mea", dict(attention_variant="mea", mea_mix_init="normal")),
     ("mea-virtual", dict(attention_variant="mea", mea_num_kv_components=2, mea_mix_init="normal")),
-    # nc = 1 < TP: the component projection is duplicated on every rank (SPEC section 3).
+    # nc = 1 < TP: the component projection is duplicated on every rank (docs/tensor-parallel.md).
     ("mea-duplicated", dict(attention_variant="mea", mea_num_kv_components=1,
                             mea_mix_init="normal")),
     ("kha-linear", dict(attention_variant="kha", kha_variant="linear")),

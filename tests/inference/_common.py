@@ -4,16 +4,37 @@ import torch
 
 from tests._models import VOCAB
 
+NO_QK_NORM = dict(qk_layernorm=False)
+# With qk_layernorm, MEA-half caches the RoPE'd components and one scalar per composite key and
+# token (the k norm's inverse RMS); without it, the components only. MEA (nc = ng) caches the
+# composites, like the baseline.
 VARIANTS = [
     ("baseline", dict(variant="standard")),
     ("mea", dict(variant="mea", mea_mix_init="normal")),
     ("mea-half", dict(variant="mea", mea_num_kv_components=2, mea_mix_init="normal")),
     ("kha", dict(variant="kha", kha_variant="linear")),
+    ("baseline-no-qk-norm", dict(variant="standard", **NO_QK_NORM)),
+    ("mea-no-qk-norm", dict(variant="mea", mea_mix_init="normal", **NO_QK_NORM)),
+    ("mea-half-no-qk-norm",
+     dict(variant="mea", mea_num_kv_components=2, mea_mix_init="normal", **NO_QK_NORM)),
 ]
 
 # Different lengths: rows keep consuming their prompt while others already generate.
 PROMPTS = [[5, 17, 33, 2, 60], [71, 8, 8, 40, 3, 19, 90, 11], [44, 1, 29]]
 NEW_TOKENS = 6
+MAX_SEQ = max(len(p) for p in PROMPTS) + NEW_TOKENS  # the static context `generate` allocates
+HEAD_DIM, GROUPS, LAYERS = 8, 4, 2  # tiny_config's
+
+
+def kv_cache_bytes_expected(name, tp=1, rank_only=False):
+    """Bytes of `generate`'s static cache for `PROMPTS` (fp32): K and V of the cached heads, plus
+    the per-composite-key scalars of MEA-half with qk_layernorm."""
+    heads = 2 if name.startswith("mea-half") else GROUPS
+    scales = GROUPS if name == "mea-half" else 0
+    per_token = 2 * heads * HEAD_DIM + scales
+    if rank_only:
+        per_token //= tp
+    return LAYERS * MAX_SEQ * len(PROMPTS) * per_token * 4
 
 
 class IdTokenizer:

@@ -23,7 +23,7 @@ def _max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def tp_decoding(rank, world_size, variants, tp, workdir):
+def tp_decoding(rank, world_size, variants, tp, workdir, prompts=PROMPTS):
     """For each variant: a TP=1 model (greedy, full-forward reference) and the same weights at
     TP=`tp` through a torch_dist checkpoint; their tokens, logit differences and cache bytes."""
     results = {}
@@ -31,16 +31,16 @@ def tp_decoding(rank, world_size, variants, tp, workdir):
         init_parallel(tp=1)
         single = build_gpt(tiny_config(**fields))
         perturb_plugin_params(single)
-        ref = generate(single, IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False,
+        ref = generate(single, IdTokenizer(), prompts, NEW_TOKENS, stop_at_eod=False,
                        return_logits=True)
         save_dist(single, os.path.join(workdir, name))
 
         init_parallel(tp=tp)
         sharded = build_gpt(tiny_config(**fields, tp=tp))
         load_dist(sharded, os.path.join(workdir, name))
-        out = generate(sharded, IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False,
+        out = generate(sharded, IdTokenizer(), prompts, NEW_TOKENS, stop_at_eod=False,
                        return_logits=True)
-        full = full_forward_logits(sharded, PROMPTS, out.tokens)
+        full = full_forward_logits(sharded, prompts, out.tokens)
         results[name] = dict(
             same_tokens=out.tokens == ref.tokens,
             vs_full_forward=_max_diff(out.logits, full),
@@ -61,19 +61,16 @@ def pretrain(rank, world_size, argv):
 
 
 def generate_cli(rank, world_size, argv_list):
-    """Run `tools/generate.py` once per argv (in this process); return what each printed."""
+    """Run `mea-generate` once per argv (in this process); return what each printed."""
     import contextlib
-    import importlib.util
     import io
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "tools", "generate.py")
-    spec = importlib.util.spec_from_file_location("generate_cli", path)
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    from megatron_mea.cli.generate import main
+
     outputs = []
     for argv in argv_list:
         buffer = io.StringIO()
         with contextlib.redirect_stdout(buffer):
-            code = cli.main(argv)
+            code = main(argv)
         outputs.append((code, buffer.getvalue()))
     return outputs

@@ -1,4 +1,4 @@
-"""`tools/generate.py` on a checkpoint written by `mea-pretrain`: greedy decoding is deterministic,
+"""`mea-generate` on a checkpoint written by `mea-pretrain`: greedy decoding is deterministic,
 streamed or not, identical at TP=1 and TP=2, and the report gives tokens/s and KV-cache bytes."""
 
 import re
@@ -63,10 +63,11 @@ def test_greedy_generation_is_deterministic_at_any_tp_and_reports_speed_and_cach
 
     assert _strip_timing(first) == _strip_timing(second)  # the same text, token for token
     assert first.startswith("[0] Hello") and "attention_variant=mea, 2 cached" in first
-    # K and V x 2 layers x (5 + 12 positions) x 1 row x 2 component heads x hn 16 x fp32.
-    assert _report(first) == (2 * 2 * 17 * 1 * 2 * 16 * 4,) * 2
+    # K and V x 2 layers x (5 + 12 positions) x 1 row x 2 component heads x hn 16 x fp32, plus
+    # the k norm's scalar per position and composite head (2 layers x 17 x 1 x 4 groups x fp32).
+    assert _report(first) == (2 * 2 * 17 * 1 * 2 * 16 * 4 + 2 * 17 * 1 * 4 * 4,) * 2
     assert "[0] Hello" in batch and "[1] abc" in batch
-    assert _report(batch)[0] == 2 * 2 * (5 + 5) * 2 * 2 * 16 * 4
+    assert _report(batch)[0] == 2 * 2 * (5 + 5) * 2 * 2 * 16 * 4 + 2 * 10 * 2 * 4 * 4
 
     assert _text(whole) == _text(first)  # streamed pieces add up to the whole text
     assert _text(tp2) == _text(first)  # same greedy text at TP=2

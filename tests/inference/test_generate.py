@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_mea.inference import (
     SamplingParams,
@@ -16,6 +17,7 @@ from tests.inference._common import (
     VARIANTS,
     IdTokenizer,
     full_forward_logits,
+    kv_cache_bytes_expected,
 )
 
 
@@ -40,16 +42,64 @@ def test_incremental_decoding_equals_full_forward_at_every_step(single_rank, fie
         assert got[:, : IdTokenizer.vocab_size].argmax(-1).tolist() == tokens
 
 
-def test_virtual_heads_cache_exactly_half_the_baseline_bytes(single_rank):
+def test_virtual_heads_cache_half_the_baseline_bytes_plus_the_key_scales(single_rank):
     sizes = {}
     for name, fields in VARIANTS:
         out = generate(_model(fields), IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False)
         sizes[name] = out.stats.kv_cache_bytes
         assert out.stats.kv_cache_bytes_total == out.stats.kv_cache_bytes
-    # 2 layers x (K, V) x max_seq 14 x batch 3 x heads x hn 8 x 4 bytes.
+        assert sizes[name] == kv_cache_bytes_expected(name), name
+    # 2 layers x (K, V) x max_seq 14 x batch 3 x 4 heads x hn 8 x 4 bytes.
     assert sizes["baseline"] == 2 * 2 * 14 * 3 * 4 * 8 * 4
     assert sizes["mea"] == sizes["kha"] == sizes["baseline"]
-    assert 2 * sizes["mea-half"] == sizes["baseline"]
+    assert 2 * sizes["mea-half-no-qk-norm"] == sizes["baseline"]
+    # With the k norm: one fp32 scalar per composite head (4) and token, beside 2 x 2 x 8 values.
+    assert sizes["mea-half"] == sizes["baseline"] // 2 + 2 * 14 * 3 * 4 * 4
+
+
+def _all_logits(context):
+    # Every position's logits, not the last one's (the flag moved to `context.config` in 0.17).
+    config = getattr(context, "config", None)
+    owner = config if hasattr(config, "materialize_only_last_token_logits") else context
+    owner.materialize_only_last_token_logits = False
+
+
+@pytest.mark.parametrize("fields", [VARIANTS[1][1], VARIANTS[2][1], VARIANTS[6][1]],
+                         ids=["mea", "mea-half", "mea-half-no-qk-norm"])
+def test_multi_token_steps_with_or_without_a_mask_equal_the_full_forward(single_rank, fields):
+    # Decode steps of 3 tokens after a 4-token prefill: the new tokens attend causally among
+    # themselves; an explicit mask (as Megatron's static engine passes) gives the same logits.
+    model = _model(fields).eval()
+    tokens = torch.tensor([PROMPTS[1] + [7, 9, 13, 21]])
+    width = tokens.shape[1]
+    with torch.no_grad():
+        reference = model(tokens, torch.arange(width)[None], None, runtime_gather_output=True)[0]
+    for explicit_mask in (False, True):
+        context = StaticInferenceContext(max_batch_size=1, max_sequence_length=width)
+        _all_logits(context)
+        chunks = []
+        for start, end in ((0, 4), (4, 7), (7, 10), (10, 12)):
+            mask = None
+            if explicit_mask:
+                mask = torch.ones(end - start, end, dtype=torch.bool).triu(start + 1)[None, None]
+            with torch.no_grad():
+                chunks.append(model(tokens[:, start:end], torch.arange(start, end)[None], mask,
+                                    inference_context=context, runtime_gather_output=True)[0])
+            context.increment_sequence_len_offset(end - start)
+        torch.testing.assert_close(torch.cat(chunks), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_key_norm_that_does_not_factor_caches_the_composites(single_rank):
+    # A LayerNorm k norm (mean and bias) does not commute with the mix: the layer falls back to
+    # caching the composite heads, still exact, at the baseline's size.
+    fields = dict(VARIANTS[2][1], normalization="LayerNorm")
+    model = _model(fields)
+    assert {m.cache_kind for m in model.modules() if hasattr(m, "cache_kind")} == {"composites"}
+    out = generate(model, IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False,
+                   return_logits=True)
+    for got, want in zip(out.logits, full_forward_logits(model, PROMPTS, out.tokens)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert out.stats.kv_cache_bytes == kv_cache_bytes_expected("baseline")
 
 
 def test_batching_and_eod_stop_do_not_change_the_tokens(single_rank):

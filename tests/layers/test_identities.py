@@ -114,3 +114,27 @@ def test_parameter_names_follow_the_checkpoint_format(single_rank):
         assert mlp[prefix + "knock." + name].shape == (8, 8)
     # Virtual heads shrink the projection: 8 query heads + 2*2 component K/V heads of 8 channels.
     assert mea[prefix + "linear_qkv.weight"].shape == ((8 + 2 * 2) * 8, 64)
+
+
+def test_head_norm_composes_with_linear_proj_and_keeps_the_state_dict_keys(single_rank):
+    from megatron_mea.layers import HeadNormedProjection
+
+    model = build_gpt(tiny_config("mea", mea_num_kv_components=2))
+    perturb_plugin_params(model)
+    attention = model.decoder.layers[0].self_attention
+    projection = attention._modules["linear_proj"]
+    prefix = "decoder.layers.0.self_attention."
+    keys = {k[len(prefix):] for k in model.state_dict() if k.startswith(prefix)}
+    assert {"linear_proj.weight", "head_norm.weight"} <= keys
+    assert not any("projection" in k.split(".")[0] for k in keys)  # registered once
+    assert [n for n, _ in attention.named_children()].count("linear_proj") == 1
+    # What Megatron's forward calls: the head norm, then the registered projection.
+    step = attention.linear_proj
+    assert isinstance(step, HeadNormedProjection) and step.weight is projection.weight
+    x = torch.randn(3, 2, 8 * 8)
+    out, _ = step(x)
+    expected, _ = projection(attention.head_norm(x))
+    assert torch.equal(out, expected)
+    assert not torch.allclose(out, projection(x)[0])  # the (perturbed) norm acts
+    plain = build_gpt(tiny_config("mea", mea_head_norm=False)).decoder.layers[0].self_attention
+    assert plain.linear_proj is plain._modules["linear_proj"]

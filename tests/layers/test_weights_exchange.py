@@ -99,16 +99,16 @@ def test_step_without_flush_raises_instead_of_dropping_gradients(single_rank):
         _micro_batches(attention, [torch.randn(SEQ, BATCH, 40)])
 
 
-def test_evaluation_mixes_the_components_so_the_kv_cache_stays_compressed(single_rank):
+def test_evaluation_projects_the_components_and_computes_the_same(single_rank):
     attention = _attention("weights", mea_num_kv_components=2)
     x = torch.randn(SEQ, BATCH, 40)
     rotary = RotaryEmbedding(kv_channels=HEAD_DIM, rotary_percent=1.0)(SEQ)
+    assert attention._use_folded_weight(x)
     train_out, _ = attention(x, attention_mask=None, rotary_pos_emb=rotary)
-    assert attention._kv_composite
     attention.eval()
+    assert not attention._use_folded_weight(x)
     with torch.no_grad():
         eval_out, _ = attention(x, attention_mask=None, rotary_pos_emb=rotary)
-    assert not attention._kv_composite
     torch.testing.assert_close(eval_out, train_out.detach(), rtol=1e-5, atol=1e-5)
 
 

@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from megatron_mea.checkpoint import fold_head_mix, fold_kha_linear, fuse_qkv, unfuse_qkv
-from megatron_mea.ops import head_mix, head_rms_norm, kha_linear, kha_mlp, mix_init
+from megatron_mea.checkpoint import fold_head_mix, fold_kha_linear
+from megatron_mea.ops import (
+    fuse_qkv,
+    head_mix,
+    head_rms_norm,
+    kha_linear,
+    kha_mlp,
+    mix_init,
+    unfuse_qkv,
+)
 
 
 def test_head_mix_is_sum_over_components():
@@ -109,3 +117,25 @@ def test_qkv_layout_round_trip_and_folds():
     torch.testing.assert_close(
         torch.einsum("ti,ndi->tnd", x, fold_kha_linear(q, t)), kha_linear(q_heads, t)
     )
+
+
+def test_qkv_layout_of_activations_matches_the_weight_rows():
+    # linear_qkv's output features follow its weight rows: splitting the output (dim=-1) equals
+    # projecting with each unfused weight; bias rows unfuse alike (no trailing dims).
+    np_, ng, hn, h = 8, 2, 3, 5
+    weight = torch.randn(ng * (np_ // ng + 2) * hn, h, dtype=torch.float64)
+    bias = torch.randn(weight.shape[0], dtype=torch.float64)
+    x = torch.randn(4, 2, h, dtype=torch.float64)  # [s, b, h]
+    out = torch.nn.functional.linear(x, weight, bias)
+    parts = zip(unfuse_qkv(out, np_, ng, hn, dim=-1), unfuse_qkv(weight, np_, ng, hn),
+                unfuse_qkv(bias, np_, ng, hn))
+    for got, rows, bias_rows in parts:
+        expected = torch.einsum("sbi,ndi->sbnd", x, rows) + bias_rows
+        torch.testing.assert_close(got, expected)
+    # Group 1 of 2: query heads 4..7, then its key head, then its value head.
+    q, k, v = unfuse_qkv(weight, np_, ng, hn)
+    per_group = (np_ // ng + 2) * hn
+    assert torch.equal(q[4], weight[per_group : per_group + hn])
+    assert torch.equal(k[1], weight[2 * per_group - 2 * hn : 2 * per_group - hn])
+    assert torch.equal(v[1], weight[2 * per_group - hn :])
+    assert torch.equal(fuse_qkv(*unfuse_qkv(out, np_, ng, hn, dim=-1), dim=2), out)

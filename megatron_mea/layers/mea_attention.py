@@ -1,0 +1,357 @@
+"""MEA self-attention: Megatron's `SelfAttention` with HLC over the K/V heads, a per-head RMS norm
+of the output, and decoding straight from the component KV cache.
+
+Shape legend: `s` sequence (full, also under SP: `linear_qkv` gathers it), `b` batch, `np_loc`
+local query heads, `nc_loc` / `ng_loc` local component / composite K/V heads, `hn` head dim.
+"""
+
+import copy
+import logging
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.utils import deprecate_inference_params, divide, get_pg_rank
+
+from megatron_mea.layers.attention import _SplitSelfAttention
+from megatron_mea.layers.head_mix import HeadMix
+from megatron_mea.layers.head_norm import HeadNormedProjection, HeadRMSNorm
+from megatron_mea.layers.kv_cache import COMPONENTS, COMPOSITES, MEAKVCache, attend, rms_key_norm
+from megatron_mea.ops.decode import decode_mask, inverse_rms
+from megatron_mea.ops.qkv_layout import unfuse_qkv
+from megatron_mea.parallel import ExchangeShape, choose_exchange, gather_features
+
+logger = logging.getLogger(__name__)
+
+
+def component_view(config, num_components):
+    """`config` as Megatron's `SelfAttention.__init__` must see it to size `linear_qkv` for
+    `nc` K/V heads: a shallow copy whose `num_query_groups` is `num_components`."""
+    view = copy.copy(config)
+    view.num_query_groups = num_components
+    return view
+
+
+class MEASelfAttention(_SplitSelfAttention):
+    """Multi-head explicit attention: HLC over K/V heads plus a per-head RMS norm of the output.
+
+    `linear_qkv` produces `nc` component K/V heads (`mea_num_kv_components`), `head_mix` (HLC)
+    composes the `ng` composite heads the attention uses. With `nc < ng` ("virtual heads") the
+    projection and the KV cache shrink to `nc/ng` of GQA's. With fewer components than TP ranks
+    (`nc < t`) the projection output is all-gathered: every rank holds (and caches) all `nc`
+    components, keeps its own `np/t` query heads and expands to its own composite heads.
+
+    Which step runs where. `forward` sends training and cache-free evaluation to Megatron's
+    `Attention.forward` (which calls `get_query_key_value_tensors`, RoPE, `core_attention`,
+    `linear_proj`), and a static inference context to `_forward_with_cache`:
+
+    | step       | training, no cache        | prefill (offset 0)      | decode (offset > 0)      |
+    |------------|---------------------------|-------------------------|--------------------------|
+    | projection | `_project_components`, or | `_project_components`   | `_project_components`    |
+    |            | `_project_composites_     |                         |                          |
+    |            | folded` (`weights`)       |                         |                          |
+    | HLC        | `mix_heads` (or the fold) | `mix_heads`             | query side (`attend`)    |
+    | q/k norms  | `_norm_query`/`_norm_key` | same                    | k norm split: its scale  |
+    |            |                           |                         | into the cache, 1/rms    |
+    |            |                           |                         | cached per composite key |
+    | RoPE       | Megatron's forward        | `_rope`                 | `_rope`, new tokens only |
+    | cache      | none                      | `_cache_entries`        | `_cache_entries`         |
+    | attention  | `core_attention`          | `core_attention`        | `kv_cache.attend`        |
+    | head norm  | `linear_proj` (property)  | same                    | same                     |
+
+    The cache (`kv_cache.py`) holds the RoPE'd components and one inverse RMS per composite key
+    (`components`, when `nc < ng`) or the composites (`composites`, when `nc == ng` or the k
+    norm is not RMS-type). Megatron's dynamic (paged) context is not supported (see
+    docs/inference-decode.md).
+
+    TP exchange of training forwards (`mea_tp_exchange`, docs/tensor-parallel.md):
+    - `activations`: project the components, mix the activations (`head_mix.forward`);
+    - `weights`: fold HLC into the K/V rows (`head_mix.fold`) and run `linear_qkv` with the folded
+      weight, which yields composite heads directly; with `enable_fold_cache` the fold is built
+      once per optimizer step;
+    - `auto`: per micro-batch, whichever sends fewer elements (`parallel/exchange.py`).
+    Evaluation always projects the components.
+    """
+
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number,
+        attn_mask_type=AttnMaskType.padding,
+        cp_comm_type=None,
+        pg_collection=None,
+        **megatron_kwargs,
+    ):
+        # megatron_kwargs: what newer Megatron-Core layers also pass (`name`, `pp_layer_offset`).
+        # Megatron sizes linear_qkv from num_query_groups: its submodules are built from the
+        # component view; `self.config` is the real one for everything downstream of HLC.
+        self.num_components = config.kv_components(layer_number)
+        super().__init__(
+            component_view(config, self.num_components),
+            submodules,
+            layer_number,
+            attn_mask_type,
+            cp_comm_type,
+            pg_collection,
+            **megatron_kwargs,
+        )
+        self.config = config
+        self.components_duplicated = self.num_components < self.world_size
+        if self.components_duplicated:
+            # Megatron's "fewer groups than ranks" sizes assume one group and np/nc query heads
+            # per rank; here each rank keeps np/t query heads and all nc components.
+            self.num_attention_heads_per_partition = divide(
+                config.num_attention_heads, self.world_size
+            )
+            self.num_query_groups_per_partition = self.num_components
+        if self.num_components != config.num_query_groups:
+            # The core attention sees ng composite groups (no parameters, so nothing is lost).
+            self.core_attention = submodules.core_attention(
+                config=config,
+                layer_number=self.layer_number,
+                attn_mask_type=self.attn_mask_type,
+                attention_type=self.attention_type,
+                cp_comm_type=cp_comm_type,
+                softmax_scale=config.softmax_scale,
+                pg_collection=self.pg_collection,
+            )
+        self.head_mix = HeadMix(config, self.tp_group, self.num_components)
+        self.exchange = config.mea_tp_exchange
+        self.exchange_shape = ExchangeShape(
+            num_heads=config.num_attention_heads,
+            num_groups=config.num_query_groups,
+            num_components=self.num_components,
+            head_dim=self.hidden_size_per_attention_head,
+            hidden_size=config.hidden_size,
+            tp_size=self.world_size,
+            bias=self._qkv_bias() is not None,
+        )
+        if self.exchange != "activations":
+            self._enable_folded_projection()
+        self.head_norm = HeadRMSNorm(config, self.tp_group) if config.mea_head_norm else None
+        # Plain attribute (not a submodule): `linear_proj` below hands it to Megatron's forward.
+        normed = HeadNormedProjection(self.head_norm, self._modules["linear_proj"])
+        self.__dict__["_normed_projection"] = normed if self.head_norm is not None else None
+        self.cache_kind = self._choose_cache_kind()
+        self._warned = False
+        # Components under an RMS k norm cache 1/rms of every composite key beside them.
+        self.caches_key_scales = self.cache_kind == COMPONENTS and not isinstance(
+            self.k_layernorm, (IdentityOp, type(None))
+        )
+
+    @property
+    def linear_proj(self):
+        """The step after the core attention, as Megatron's forward calls it: the head norm,
+        then the registered `linear_proj` module (`HeadNormedProjection`); without the head
+        norm, the module itself."""
+        normed = self.__dict__.get("_normed_projection")
+        if normed is not None:
+            return normed
+        if "linear_proj" not in self._modules:  # before Megatron's __init__ builds it
+            raise AttributeError("linear_proj")
+        return self._modules["linear_proj"]
+
+    # ---- training and cache-free forwards (Megatron's forward calls these) -------------------
+
+    def _use_folded_weight(self, hidden_states) -> bool:
+        if self.exchange == "activations" or not self.training:
+            return False
+        if self.exchange == "weights" or (self.fold_cache is not None and self.fold_cache.live):
+            return True
+        tokens = hidden_states.shape[0] * hidden_states.shape[1]
+        if self.config.sequence_parallel:
+            tokens *= self.world_size  # linear_qkv gathers the sequence
+        return choose_exchange(self.exchange_shape, tokens) == "weights"
+
+    def _project_components(self, hidden_states):
+        """`[s, b, h]` -> query `[s, b, np_loc, hn]`, component key and value `[s, b, nc_loc, hn]`
+        (all `nc` when duplicated)."""
+        if not self.components_duplicated:
+            return self._project_and_split(hidden_states, None)
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        # Every rank needs all nc components; the gather's backward sums the ranks' uses.
+        mixed_qkv = gather_features(mixed_qkv, self.tp_group)
+        hn = self.hidden_size_per_attention_head
+        query, key, value = unfuse_qkv(
+            mixed_qkv, self.config.num_attention_heads, self.num_components, hn, dim=-1
+        )
+        heads = self.num_attention_heads_per_partition
+        start = get_pg_rank(self.tp_group) * heads
+        return query[:, :, start : start + heads], key, value
+
+    def _project_composites_folded(self, hidden_states):
+        """The `weights` exchange: HLC folded into the K/V rows; composite K/V come out."""
+        num_heads = self.config.num_attention_heads
+        return self._project_folded(
+            hidden_states,
+            None,
+            lambda weight, bias: self.head_mix.fold(weight, bias, num_heads),
+            [self.head_mix.key_weight, self.head_mix.value_weight],
+            self.config.num_query_groups // self.world_size,
+        )
+
+    def mix_heads(self, key, value):
+        """HLC: component key and value `[s, b, nc_loc, hn]` -> composite `[s, b, ng_loc, hn]`."""
+        return self.head_mix(key, value)
+
+    def _norm_query(self, query):
+        return query if self.q_layernorm is None else self.q_layernorm(query)
+
+    def _norm_key(self, key):
+        return key if self.k_layernorm is None else self.k_layernorm(key)
+
+    def get_query_key_value_tensors(
+        self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
+    ):
+        """`[s, b, h]` -> query `[s, b, np_loc, hn]`, composite key and value `[s, b, ng_loc, hn]`,
+        q/k-normed (Megatron's forward applies RoPE next)."""
+        if key_value_states is not None:
+            raise ValueError("the MEA / KHA variants are self-attention only")
+        if self._use_folded_weight(hidden_states):
+            query, key, value = self._project_composites_folded(hidden_states)
+        else:
+            query, key, value = self._project_components(hidden_states)
+            key, value = self.mix_heads(key, value)
+        return self._norm_query(query), self._norm_key(key), value
+
+    # ---- inference -----------------------------------------------------------------------
+
+    def _choose_cache_kind(self) -> str:
+        if self.num_components == self.config.num_query_groups:
+            return COMPOSITES  # components would save nothing and cost more per step
+        # A norm with a mean or a bias (LayerNorm) does not factor out of the mix.
+        return COMPOSITES if rms_key_norm(self.k_layernorm) is None else COMPONENTS
+
+    def _warn_composite_cache(self):
+        if self.num_components < self.config.num_query_groups and not self._warned:
+            self._warned = True
+            logger.warning(
+                "MEA layer %d: k_layernorm %s is not an RMS-type norm, so the KV cache holds "
+                "the %d composite heads, not the %d components", self.layer_number,
+                type(self.k_layernorm).__name__, self.config.num_query_groups,
+                self.num_components,
+            )
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+        **megatron_kwargs,
+    ):
+        """Without an inference context, Megatron's forward (training, evaluation); with a
+        static one, `_forward_with_cache` (prefill and decode). Returns `(output, bias)`."""
+        context = deprecate_inference_params(inference_context, inference_params)
+        if context is None:
+            return super().forward(
+                hidden_states, attention_mask, key_value_states=key_value_states,
+                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
+                rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
+                attention_bias=attention_bias, packed_seq_params=packed_seq_params,
+                sequence_len_offset=sequence_len_offset, **megatron_kwargs,
+            )
+        if not context.is_static_batching():
+            raise NotImplementedError(
+                "MEA with Megatron's dynamic (paged) inference context is not supported yet "
+                "(docs/inference-decode.md); use the static context"
+            )
+        if key_value_states is not None or packed_seq_params is not None:
+            raise ValueError("MEA inference takes self-attention over unpacked sequences")
+        if attention_bias is not None:
+            raise ValueError("MEA inference does not take an attention_bias")
+        return self._forward_with_cache(hidden_states, attention_mask, context, rotary_pos_emb)
+
+    def _rope(self, x, freqs):
+        if freqs is None:
+            return x
+        mscale = _yarn_get_concentration_factor_from_config(self.config)
+        return apply_rotary_pos_emb(
+            x, freqs, config=self.config, mscale=mscale, cp_group=self.pg_collection.cp
+        )
+
+    def _position_freqs(self, rotary_pos_emb, start, length):
+        """RoPE frequencies `(query, key)` of positions `[start, start + length)`, or None."""
+        no_rope = self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]
+        if rotary_pos_emb is None or no_rope:
+            return None, None
+        if not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb, rotary_pos_emb)
+        return tuple(f[start : start + length] for f in rotary_pos_emb)
+
+    def _cache_entries(self, key, value, composite_key, composite_value, key_freqs):
+        """What the cache stores for the new tokens: keys, values `[s, b, n, hn]` and the key
+        scales `[s, b, ng_loc]` (or None)."""
+        if self.cache_kind == COMPOSITES:
+            return self._rope(self._norm_key(composite_key), key_freqs), composite_value, None
+        if not self.caches_key_scales:
+            return self._rope(key, key_freqs), value, None
+        scale, eps = rms_key_norm(self.k_layernorm)
+        eps = torch.finfo(key.dtype).eps if eps is None else eps
+        key_scales = inverse_rms(composite_key, eps)
+        if scale is not None:
+            key = key * scale.to(key.dtype)  # elementwise, shared by all heads: commutes with HLC
+        return self._rope(key, key_freqs), value, key_scales
+
+    def _forward_with_cache(self, hidden_states, attention_mask, context, rotary_pos_emb):
+        """Prefill (offset 0): composite attention over the prompt through `core_attention`;
+        decode (offset > 0): attention over the cache, components mixed on the query side.
+        Both write the new tokens' entries into the layer's cache first."""
+        s, b = hidden_states.shape[:2]
+        start, end = context.sequence_len_offset, context.sequence_len_offset + s
+        if end > context.max_sequence_length:
+            raise ValueError(
+                f"position {end} is past the inference context's max_sequence_length "
+                f"({context.max_sequence_length})"
+            )
+        batch = slice(context.batch_size_offset, context.batch_size_offset + b)
+        query_freqs, key_freqs = self._position_freqs(rotary_pos_emb, start, s)
+        query, key, value = self._project_components(hidden_states)
+        query = self._rope(self._norm_query(query), query_freqs)
+        composite_key = composite_value = None
+        if start == 0 or self.cache_kind == COMPOSITES or self.caches_key_scales:
+            composite_key, composite_value = self.mix_heads(key, value)  # the new tokens only
+        if self.cache_kind == COMPOSITES:
+            self._warn_composite_cache()
+        entries = self._cache_entries(key, value, composite_key, composite_value, key_freqs)
+        num_scales = entries[2].shape[2] if entries[2] is not None else 0
+        cache = MEAKVCache.of(
+            context, self.layer_number, self.cache_kind, entries[0].shape[2],
+            self.hidden_size_per_attention_head, num_scales, like=key,
+        )
+        cache.write(start, batch, *entries)
+        if start == 0:
+            if self.cache_kind == COMPOSITES:
+                composite_key = entries[0]  # normed and RoPE'd already
+            else:
+                composite_key = self._rope(self._norm_key(composite_key), key_freqs)
+            core = self.core_attention(
+                query, composite_key, composite_value, attention_mask,
+                attn_mask_type=self.attn_mask_type, attention_bias=None, packed_seq_params=None,
+            )
+        else:
+            mask = attention_mask
+            if mask is None:  # causal among the new tokens (Megatron's static engine may pass one)
+                mask = decode_mask(s, end, query.device)
+            scale = self.config.softmax_scale or self.hidden_size_per_attention_head**-0.5
+            sharded = self.world_size > 1 and not self.components_duplicated
+            out = attend(
+                cache, end, batch, query.transpose(0, 1), self.head_mix.key_weight,
+                self.head_mix.value_weight, scale, mask, self.tp_group, sharded,
+            )
+            core = out.transpose(0, 1).reshape(s, b, -1)
+        return self.linear_proj(core)
