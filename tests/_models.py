@@ -127,3 +127,21 @@ def load_dist(model, directory):
     """Load a `torch_dist` checkpoint saved at any TP/EP layout into `model` (strict)."""
     state = dist_checkpointing.load(model.sharded_state_dict(), directory)
     model.load_state_dict(state)
+
+
+def read_checkpoint_tensors(directory) -> dict:
+    """Every tensor of a `torch_dist` checkpoint directory, whole (global shapes), by key;
+    read in this process without a process group."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(directory))
+    metadata = reader.read_metadata().state_dict_metadata
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    dcp_load(state, storage_reader=reader, no_dist=True)
+    return state

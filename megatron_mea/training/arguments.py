@@ -70,7 +70,13 @@ class PretrainArgs:
     expert_tensor_parallel_size: Optional[int] = None
     context_parallel_size: int = 1
     sequence_parallel: bool = False
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Interleaved (virtual) pipeline: layers per model chunk; each pipeline rank holds
+    num_layers / (pipeline_model_parallel_size x this) chunks (Megatron-LM's flag)."""
     use_distributed_optimizer: bool = False
+    dist_ckpt_optim_fully_reshardable: bool = False
+    """Save the distributed optimizer's state as `fully_reshardable` (resumable at any TP / PP /
+    EP / DP layout) instead of Megatron-LM's default `dp_reshardable` (DP changes only)."""
     # ---- precision ----------------------------------------------------------------------------
     bf16: bool = False
     fp8_format: Optional[str] = None
@@ -104,7 +110,14 @@ class PretrainArgs:
     load: Optional[str] = None
     save_interval: Optional[int] = None
     no_load_optim: bool = False
+    """Start a fresh optimizer and learning-rate scheduler from the loaded weights (as
+    Megatron-LM: the schedule restarts at step 0)."""
     no_load_rng: bool = False
+    override_opt_param_scheduler: bool = False
+    """On --load, use this run's learning-rate schedule settings instead of the checkpoint's
+    (the step count still comes from the checkpoint)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """On --load, use the checkpoint's learning-rate schedule settings, ignoring this run's."""
     eval_interval: int = 50
     eval_iters: int = 5
     log_interval: int = 10
@@ -128,6 +141,16 @@ class PretrainArgs:
         multiple is divisible by TP)."""
         multiple = self.make_vocab_size_divisible_by
         return -(-self.vocab_size // multiple) * multiple
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> Optional[int]:
+        """Model chunks per pipeline rank, derived as Megatron-LM does (None: no interleaving,
+        also when these arguments are reused without pipeline parallelism, e.g. for inference)."""
+        if not self.num_layers_per_virtual_pipeline_stage or self.pipeline_model_parallel_size < 2:
+            return None
+        per_stage = self.num_layers // self.pipeline_model_parallel_size
+        chunks = per_stage // self.num_layers_per_virtual_pipeline_stage
+        return chunks if chunks > 1 else None
 
 
 _CHOICES = {
@@ -178,6 +201,13 @@ def _base_type(annotation):
     return annotation, False
 
 
+# Extra spellings Megatron-LM accepts for some flags.
+_ALIASES = {
+    "override_opt_param_scheduler": ("--override-opt_param-scheduler",),
+    "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",),
+}
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -196,8 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
             parser.add_argument(_flag(f.name), dest=f.name, type=_CUSTOM_TYPES[f.name])
             continue
         kind, is_list = _base_type(f.type)
+        if kind is bool and f.name.startswith("no_"):
+            # `--no-load-optim` and the like are switches (BooleanOptionalAction would read the
+            # leading "no-" as a negation and store False).
+            parser.add_argument(_flag(f.name), dest=f.name, action="store_true")
+            continue
         if kind is bool:
             parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction)
+            for alias in _ALIASES.get(f.name, ()):
+                parser.add_argument(alias, dest=f.name, action="store_true")
             continue
         kwargs = dict(dest=f.name, type=kind, choices=_CHOICES.get(f.name))
         if is_list:
@@ -274,6 +311,13 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
             f"global_batch_size ({args.global_batch_size}) must be divisible by "
             f"micro_batch_size ({args.micro_batch_size}) x data-parallel size ({dp})"
         )
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers % pp:
+        raise ValueError(
+            f"num_layers ({args.num_layers}) must be divisible by pipeline_model_parallel_size "
+            f"({pp})"
+        )
+    _validate_virtual_pipeline(args, args.global_batch_size // (args.micro_batch_size * dp))
     if args.make_vocab_size_divisible_by % args.tensor_model_parallel_size:
         raise ValueError(
             f"make_vocab_size_divisible_by ({args.make_vocab_size_divisible_by}) must be "
@@ -284,6 +328,18 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
     for name in ("train_iters", "micro_batch_size", "log_interval", "eval_interval", "seq_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} ({getattr(args, name)}) must be >= 1")
+    if args.eval_iters < 0:
+        raise ValueError(f"eval_iters ({args.eval_iters}) must be >= 0 (0: no evaluation)")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        raise ValueError(
+            "override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are exclusive: "
+            "take the schedule from this run's flags or from the checkpoint, not both"
+        )
+    if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
+        raise ValueError(
+            "dist_ckpt_optim_fully_reshardable needs use_distributed_optimizer (the plain "
+            "optimizer's checkpoint reshards at any layout already)"
+        )
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"save_interval ({args.save_interval}) must be >= 1")
     if args.save_interval and not args.save:
@@ -307,6 +363,33 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
     from megatron_mea.training.model import transformer_config
 
     transformer_config(args, world_size=world_size)
+
+
+def _validate_virtual_pipeline(args: PretrainArgs, num_microbatches: int) -> None:
+    """Megatron-LM's rules for `num_layers_per_virtual_pipeline_stage` and the interleaved
+    schedule's micro-batch grouping (groups of PP micro-batches per model chunk)."""
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    if per_chunk < 1:
+        raise ValueError(f"num_layers_per_virtual_pipeline_stage ({per_chunk}) must be >= 1")
+    if pp < 2:
+        raise ValueError(
+            "num_layers_per_virtual_pipeline_stage needs pipeline_model_parallel_size > 1 "
+            f"(got {pp})"
+        )
+    if (args.num_layers // pp) % per_chunk:
+        raise ValueError(
+            f"num_layers per pipeline stage ({args.num_layers // pp}) must be divisible by "
+            f"num_layers_per_virtual_pipeline_stage ({per_chunk})"
+        )
+    if args.virtual_pipeline_model_parallel_size and num_microbatches % pp:
+        raise ValueError(
+            f"the interleaved pipeline schedule needs a multiple of pipeline_model_parallel_size "
+            f"({pp}) micro-batches per step; global_batch_size / (micro_batch_size x "
+            f"data-parallel size) is {num_microbatches}"
+        )
 
 
 def _is_weight(token: str) -> bool:

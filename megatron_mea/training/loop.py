@@ -1,7 +1,8 @@
 """The pretraining loop of `mea-pretrain`, on Megatron-Core's own components.
 
 GPTModel + DDP + Megatron optimizer + `OptimizerParamScheduler`; every step runs the pipeline
-schedules' `forward_backward_func` (micro-batches, gradient accumulation, PP), then the optimizer.
+schedules' `forward_backward_func` (micro-batches, gradient accumulation, PP, interleaved virtual
+pipeline stages with one model chunk each), then the optimizer.
 """
 
 import json
@@ -60,6 +61,7 @@ def initialize(args: PretrainArgs) -> None:
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         context_parallel_size=args.context_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
@@ -130,22 +132,21 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
         self.config = transformer_config(args, dist.get_world_size())
-        model = build_model(
-            args,
-            self.config,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-        )
-        self.model = wrap_ddp(args, self.config, model)
+        # One model chunk per virtual pipeline stage (one without interleaving), as Megatron-LM.
+        self.model = [
+            wrap_ddp(args, self.config, chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(self._build_chunks())
+        ]
         with cuda_device_to_cpu():
-            self.optimizer = build_optimizer(args, [self.model])
+            self.optimizer = build_optimizer(args, self.model)
         self.scheduler = build_scheduler(args, self.optimizer)
-        self.config.no_sync_func = self.model.no_sync
+        no_sync = [chunk.no_sync for chunk in self.model]
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         # Folded projections (MEA's `weights` exchange, `kha_fold_linear`) fold once per step;
         # the flush sends the micro-batches' gradients through the fold before Megatron reduces
         # them. Models without such layers keep Megatron's finalize untouched.
         finalize = finalize_model_grads
-        if enable_fold_cache(self.model.module):
+        if sum(enable_fold_cache(chunk.module) for chunk in self.model):
             finalize = with_fold_flush(finalize_model_grads)
         self.config.finalize_model_grads_func = finalize
         self.config.grad_scale_func = self.optimizer.scale_loss
@@ -153,8 +154,9 @@ class Trainer:
         self.iteration, consumed = 0, 0
         if args.load and checkpointing.latest_iteration(args.load) is not None:
             self.iteration, consumed = checkpointing.load_checkpoint(
-                args.load, self.model.module, self.optimizer, self.scheduler,
+                args.load, self.modules, self.optimizer, self.scheduler,
                 load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                use_distributed_optimizer=args.use_distributed_optimizer,
             )
         eval_runs = args.train_iters // args.eval_interval + 1
         build = partial(
@@ -177,13 +179,12 @@ class Trainer:
         if self.rank != 0:
             datasets = build()
         self.train_data, self.valid_data = datasets[0], datasets[1]
-        dp_rank = parallel_state.get_data_parallel_rank()
-        self.train_batches = MicroBatches(
-            self.train_data, args.micro_batch_size, dp_rank, self.dp_size, consumed
-        )
+        if args.eval_iters == 0:
+            self.valid_data = None  # no evaluation
+        self.train_batches = self._batches(self.train_data, consumed)
         self.valid_consumed = 0
         self.nan_streak = 0
-        self.forward_backward = get_forward_backward_func()
+        self.forward_backward_func = get_forward_backward_func()
         self.telemetry = GpuTelemetry()
         self.tensorboard = TensorBoard(args.tensorboard_dir if self.rank == 0 else None)
         self.moe_track_names = (
@@ -196,26 +197,77 @@ class Trainer:
         if args.save and self.rank == 0:
             save_config(args, args.save)
 
+    def _build_chunks(self) -> list:
+        """This rank's model: its pipeline stage, as one chunk per virtual pipeline stage."""
+        vp_size = self.args.virtual_pipeline_model_parallel_size
+        if vp_size is None:
+            return [build_model(
+                self.args, self.config,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+            )]
+        return [
+            build_model(
+                self.args, self.config,
+                pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage=stage),
+                post_process=parallel_state.is_pipeline_last_stage(False, vp_stage=stage),
+                vp_stage=stage,
+            )
+            for stage in range(vp_size)
+        ]
+
+    @property
+    def modules(self) -> list:
+        """The model chunks without their DDP wrappers."""
+        return [chunk.module for chunk in self.model]
+
+    def _batches(self, dataset, consumed):
+        """This rank's micro-batches; with virtual pipeline stages one iterator per chunk (the
+        interleaved schedule reads each chunk's own), all at the same position."""
+        make = partial(
+            MicroBatches, dataset, self.args.micro_batch_size,
+            parallel_state.get_data_parallel_rank(), self.dp_size, consumed,
+        )
+        if len(self.model) == 1:
+            return make()
+        return [make() for _ in self.model]
+
+    @property
+    def consumed_samples(self) -> int:
+        """Global training samples consumed so far."""
+        batches = self.train_batches
+        return (batches[0] if isinstance(batches, list) else batches).consumed_samples
+
     # ---- one step ----------------------------------------------------------------------------
+
+    def forward_backward(self, batches=None, forward_only=False) -> float:
+        """Zero the gradients and run one step's micro-batches through Megatron's schedule
+        (forward and backward, gradients reduced and finalized; no update); returns the loss,
+        averaged over micro-batches and data-parallel ranks."""
+        args = self.args
+        if not forward_only:
+            for chunk in self.model:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        # The schedules allocate small scratch tensors on "cuda" (a no-op context on GPUs; see
+        # megatron_mea.cpu).
+        with cuda_device_to_cpu():
+            loss_dicts = self.forward_backward_func(
+                forward_step_func=_forward_step,
+                data_iterator=self.train_batches if batches is None else batches,
+                model=self.model,
+                num_microbatches=self.num_microbatches,
+                seq_length=args.seq_length,
+                micro_batch_size=args.micro_batch_size,
+                forward_only=forward_only,
+            )
+            return _mean_over_data_parallel(loss_dicts)
 
     def train_step(self) -> dict:
         """One optimizer step over `num_microbatches` micro-batches; returns its scalars."""
         args = self.args
-        self.model.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        # The schedules and the optimizer allocate small scratch tensors on "cuda" (a no-op
-        # context on GPUs; see megatron_mea.cpu).
+        loss = self.forward_backward()
         with cuda_device_to_cpu():
-            loss_dicts = self.forward_backward(
-                forward_step_func=_forward_step,
-                data_iterator=self.train_batches,
-                model=[self.model],
-                num_microbatches=self.num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=False,
-            )
-            loss = _mean_over_data_parallel(loss_dicts)
             # Checked before the update: Megatron's fp32/bf16 step would apply NaN gradients.
             # The norm is computed once more inside step(); the price of never corrupting weights.
             self.optimizer.prepare_grads()
@@ -269,26 +321,14 @@ class Trainer:
             )
 
     def evaluate(self) -> float:
-        """Mean validation loss over `eval_iters` global batches (no gradients)."""
-        args = self.args
-        batches = MicroBatches(
-            self.valid_data, args.micro_batch_size, parallel_state.get_data_parallel_rank(),
-            self.dp_size, self.valid_consumed,
-        )
+        """Mean validation loss over `eval_iters` (>= 1) global batches (no gradients)."""
+        batches = self._batches(self.valid_data, self.valid_consumed)
         losses = []
-        for _ in range(args.eval_iters):
-            with torch.no_grad(), cuda_device_to_cpu():
-                loss_dicts = self.forward_backward(
-                    forward_step_func=_forward_step,
-                    data_iterator=batches,
-                    model=[self.model],
-                    num_microbatches=self.num_microbatches,
-                    seq_length=args.seq_length,
-                    micro_batch_size=args.micro_batch_size,
-                    forward_only=True,
-                )
-            losses.append(_mean_over_data_parallel(loss_dicts))
-        self.valid_consumed = batches.consumed_samples
+        for _ in range(self.args.eval_iters):
+            with torch.no_grad():
+                losses.append(self.forward_backward(batches, forward_only=True))
+        first = batches[0] if isinstance(batches, list) else batches
+        self.valid_consumed = first.consumed_samples
         return sum(losses) / len(losses)
 
     # ---- the run -----------------------------------------------------------------------------
@@ -314,7 +354,8 @@ class Trainer:
             scalars["tokens/s"] = tokens_per_step / elapsed
             scalars.update(self.telemetry.read())
             due = self.iteration % args.eval_interval == 0 or self.iteration == args.train_iters
-            if due and self.valid_data is not None:  # no validation split: nothing to evaluate
+            # No validation split, or --eval-iters 0: nothing to evaluate.
+            if due and self.valid_data is not None and args.eval_iters > 0:
                 scalars["valid loss"] = self.evaluate()
                 window_start = time.perf_counter()
             record = {"iteration": self.iteration, **scalars}
@@ -326,16 +367,22 @@ class Trainer:
             if args.save and (
                 done or stop or (args.save_interval and self.iteration % args.save_interval == 0)
             ):
-                checkpointing.save_checkpoint(
-                    args.save, self.iteration, self.model.module, self.optimizer,
-                    self.scheduler, self.train_batches.consumed_samples,
-                )
+                self.save(args.save)
             if stop:
                 break
         if progress is not None:
             progress.close()
         self.tensorboard.close()
         return history
+
+    def save(self, root: str) -> None:
+        """Checkpoint the run's current state under `root` (all ranks call it)."""
+        checkpointing.save_checkpoint(
+            root, self.iteration, self.modules, self.optimizer, self.scheduler,
+            self.consumed_samples,
+            use_distributed_optimizer=self.args.use_distributed_optimizer,
+            fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
+        )
 
     def _report(self, record, progress, metrics_path):
         args = self.args

@@ -16,7 +16,7 @@ from megatron_mea.training.arguments import PretrainArgs
 
 logger = logging.getLogger(__name__)
 
-# Parameters of the variants that are full matrices (identity-initialised); see SPEC section 1,
+# Parameters of the variants that are full matrices (identity-initialised); see docs/decisions.md,
 # "Parametrisation and weight decay".
 PLUGIN_MATRICES = ("*.head_mix.*", "*.knock.*")
 
@@ -43,6 +43,11 @@ def transformer_config(args: PretrainArgs, world_size: int = 1) -> MEATransforme
         attention_dropout=0.0,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Megatron-LM's defaults: the interleaved schedule overlaps its p2p transfers (which
+        # also lets two pipeline ranks exchange several tensors per step); the others batch them.
+        overlap_p2p_comm=args.virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
         context_parallel_size=args.context_parallel_size,
@@ -88,10 +93,13 @@ def transformer_config(args: PretrainArgs, world_size: int = 1) -> MEATransforme
     return MEATransformerConfig(**fields)
 
 
-def build_model(args: PretrainArgs, config: MEATransformerConfig, pre_process, post_process):
-    """The GPT model of this pipeline stage, with the plugin's block spec."""
+def build_model(
+    args: PretrainArgs, config: MEATransformerConfig, pre_process, post_process, vp_stage=None
+):
+    """The GPT model of this pipeline stage (of its model chunk `vp_stage` with virtual pipeline
+    stages), with the plugin's block spec."""
     use_te = args.transformer_impl == "transformer_engine"
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -102,6 +110,7 @@ def build_model(args: PretrainArgs, config: MEATransformerConfig, pre_process, p
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
     )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
@@ -112,14 +121,15 @@ def build_model(args: PretrainArgs, config: MEATransformerConfig, pre_process, p
     return model
 
 
-def wrap_ddp(args: PretrainArgs, config, model) -> DistributedDataParallel:
-    """Megatron's DDP: fp32 gradient buffers, bucketed all-reduce, optional distributed optimizer."""
+def wrap_ddp(args: PretrainArgs, config, model, disable_bucketing=False) -> DistributedDataParallel:
+    """Megatron's DDP: fp32 gradient buffers, bucketed all-reduce, optional distributed optimizer
+    (`disable_bucketing` for every model chunk but the first, as Megatron-LM does)."""
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
-    return DistributedDataParallel(config, ddp_config, model)
+    return DistributedDataParallel(config, ddp_config, model, disable_bucketing=disable_bucketing)
 
 
 def build_optimizer(args: PretrainArgs, model_chunks):
@@ -159,4 +169,6 @@ def build_scheduler(args: PretrainArgs, optimizer) -> OptimizerParamScheduler:
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters,
         wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )

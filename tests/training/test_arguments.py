@@ -44,6 +44,13 @@ def test_config_is_saved_and_reloads_to_the_same_arguments(tmp_path):
         (["--lr-warmup-fraction", "1.5", *MOCK], r"lr_warmup_fraction \(1.5\)"),
         (["--save-interval", "10", *MOCK], r"save_interval needs save"),
         (["--train-iters", "0", *MOCK], r"train_iters \(0\) must be >= 1"),
+        (["--eval-iters", "-1", *MOCK], r"eval_iters \(-1\) must be >= 0 \(0: no evaluation\)"),
+        (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler", *MOCK],
+         r"override_opt_param_scheduler and use_checkpoint_opt_param_scheduler are exclusive"),
+        (["--dist-ckpt-optim-fully-reshardable", *MOCK],
+         r"dist_ckpt_optim_fully_reshardable needs use_distributed_optimizer"),
+        (["--num-layers-per-virtual-pipeline-stage", "1", *MOCK],
+         r"num_layers_per_virtual_pipeline_stage needs pipeline_model_parallel_size > 1"),
     ],
 )
 def test_invalid_arguments_raise_value_error_naming_the_flag(argv, match):
@@ -84,3 +91,47 @@ def test_moe_layer_pattern_and_hf_derived_fields(tmp_path):
         parse_args(["--config", str(bad), *MOCK])
     with pytest.raises(SystemExit):  # argparse reports a bad flag value itself
         parse_args(["--moe-layer-freq", "[0,2]", *MOCK])
+
+
+def test_negative_switches_are_switches():
+    # `--no-load-optim` and the like store True (argparse's BooleanOptionalAction would read the
+    # leading "no-" as a negation and store False); `--no-qk-layernorm` still negates.
+    args = parse_args(["--no-load-optim", "--no-load-rng", "--no-progress-bar",
+                       "--no-decay-plugin-matrices", "--no-qk-layernorm", *MOCK])
+    assert args.no_load_optim and args.no_load_rng and args.no_progress_bar
+    assert args.no_decay_plugin_matrices and args.qk_layernorm is False
+    plain = parse_args(MOCK)
+    assert not (plain.no_load_optim or plain.no_load_rng or plain.no_decay_plugin_matrices)
+
+
+def test_scheduler_flags_take_megatron_lm_s_spellings():
+    for flag in ("--override-opt_param-scheduler", "--override-opt-param-scheduler"):
+        args = parse_args([flag, *MOCK])
+        assert args.override_opt_param_scheduler and not args.use_checkpoint_opt_param_scheduler
+    for flag in ("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"):
+        assert parse_args([flag, *MOCK]).use_checkpoint_opt_param_scheduler
+
+
+def test_virtual_pipeline_size_and_the_interleaved_schedule_s_micro_batches(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # PP=2: one data-parallel rank
+    args = parse_args(["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                       "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "2",
+                       "--global-batch-size", "8", *MOCK])
+    assert args.virtual_pipeline_model_parallel_size == 2
+    # Two layers per stage, two per virtual stage: one chunk, no interleaving (Megatron-LM).
+    assert parse_args(["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                       "--num-layers-per-virtual-pipeline-stage", "2", *MOCK]
+                      ).virtual_pipeline_model_parallel_size is None
+    with pytest.raises(ValueError, match=r"interleaved pipeline schedule needs a multiple of "
+                                         r"pipeline_model_parallel_size \(2\) micro-batches per "
+                                         r"step; .* is 3"):
+        parse_args(["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "1", "--micro-batch-size", "2",
+                    "--global-batch-size", "6", *MOCK])
+    with pytest.raises(ValueError, match=r"num_layers \(3\) must be divisible by "
+                                         r"pipeline_model_parallel_size \(2\)"):
+        parse_args(["--num-layers", "3", "--pipeline-model-parallel-size", "2", *MOCK])
+    with pytest.raises(ValueError, match=r"num_layers per pipeline stage \(3\) must be divisible "
+                                         r"by num_layers_per_virtual_pipeline_stage \(2\)"):
+        parse_args(["--num-layers", "6", "--pipeline-model-parallel-size", "2",
+                    "--num-layers-per-virtual-pipeline-stage", "2", *MOCK])

@@ -1,6 +1,7 @@
 """`mea-pretrain` end to end on CPU: parallel runs learn, and resuming is exact."""
 
 import json
+import math
 import os
 
 import pytest
@@ -76,23 +77,6 @@ def test_interrupted_and_resumed_run_reproduces_the_loss_sequence_exactly(text_d
         assert [json.loads(line)["iteration"] for line in handle] == list(range(1, 13))
 
 
-def test_resume_at_another_tensor_parallel_layout_continues_from_the_saved_model(
-    text_dataset, tmp_path
-):
-    common = [*SMALL, "--data-path", text_dataset, "--train-iters", "8",
-              "--attention-variant", "mea", "--data-cache-path", str(tmp_path / "cache")]
-    full = run_distributed(_train, 1, common)[0]
-    saved = str(tmp_path / "ckpt")
-    run_distributed(_train, 1, [*common, "--save", saved, "--exit-interval", "4"])
-    resumed = run_distributed(
-        _train, 2, [*common, "--load", saved, "--tensor-model-parallel-size", "2",
-                    "--sequence-parallel"]
-    )[0]
-    # Step 5's loss is computed before any update, from the loaded weights on the same data.
-    assert len(resumed) == 4
-    assert abs(resumed[0] - full[4]) < 1e-4, (resumed[0], full[4])
-
-
 @pytest.mark.parametrize(
     "variant,folded",
     [
@@ -134,3 +118,30 @@ def test_tensor_parallel_run_matches_the_single_process_run(tmp_path):
     assert len(single) == len(tp_sp) == len(dp) == 3
     assert max(abs(a - b) for a, b in zip(single, tp_sp)) < 1e-5, (single, tp_sp)
     assert max(abs(a - b) for a, b in zip(single, dp)) < 1e-5, (single, dp)
+
+
+def _histories(rank, world_size, argvs):
+    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.loop import pretrain
+
+    return [pretrain(parse_args(argv)) for argv in argvs]
+
+
+def test_eval_iters_zero_means_no_evaluation(tmp_path):
+    # Evaluation is due after every step; --eval-iters 0 turns it off (it used to divide by zero
+    # after training). The same run with --eval-iters 1, in the same process, does evaluate.
+    argv = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2",
+            "--seq-length", "32", "--num-experts", "0", "--micro-batch-size", "2",
+            "--global-batch-size", "2", "--train-iters", "2", "--eval-interval", "1",
+            "--log-interval", "1", "--no-progress-bar", "--mock-data",
+            "--data-cache-path", str(tmp_path / "cache")]
+    off, on = run_distributed(_histories, 1, [
+        [*argv, "--eval-iters", "0", "--save", str(tmp_path / "ckpt")],
+        [*argv, "--eval-iters", "1"],
+    ])[0]
+    assert [record["iteration"] for record in off] == [1, 2]
+    assert not any("valid loss" in record for record in off)
+    with open(tmp_path / "ckpt" / "metrics.jsonl", encoding="utf-8") as handle:
+        assert [json.loads(line)["iteration"] for line in handle] == [1, 2]
+    assert [record["iteration"] for record in on] == [1, 2]
+    assert all(math.isfinite(record["valid loss"]) for record in on)

@@ -53,8 +53,8 @@ def _install(sabotage, checkpointing, loop):
     )
     target = f"iter_{when:07d}"
 
-    def save_then_die(state, directory):  # shards half written
-        save(state, directory)
+    def save_then_die(state, directory, **kwargs):  # shards half written
+        save(state, directory, **kwargs)
         if target in directory:
             shard = sorted(f for f in os.listdir(directory) if f.endswith(".distcp"))[0]
             with open(os.path.join(directory, shard), "r+b") as handle:
