@@ -3,6 +3,11 @@
 Megatron's own spec functions build everything (TE or local backend, dense or MoE, q/k norms);
 the variants only swap the `self_attention` module, keeping its submodules. Specs are rebuilt, not
 mutated, so a spec shared elsewhere is never changed behind its owner's back.
+
+`core_attention` picks the core attention of the local (non-TE) spec: `"megatron"` (default,
+Megatron's unfused `DotProductAttention`) or `"sdpa"` (`SDPADotProductAttention`, the same function
+on torch's fused `scaled_dot_product_attention`; `layers/sdpa_attention.py`). The TE spec always
+uses Transformer Engine's own.
 """
 
 import dataclasses
@@ -10,14 +15,18 @@ from typing import Optional, Union
 
 from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_mea._optional import require
 from megatron_mea.compat import legacy_grouped_gemm_kwargs
 from megatron_mea.layers import KHASelfAttention, MEASelfAttention
+from megatron_mea.layers.sdpa_attention import SDPADotProductAttention
 
 _ATTENTION_MODULES = {"standard": SelfAttention, "mea": MEASelfAttention, "kha": KHASelfAttention}
+# `core_attention` choices of the local spec -> the module class.
+CORE_ATTENTIONS = {"megatron": DotProductAttention, "sdpa": SDPADotProductAttention}
 
 
 def attention_module(config) -> type:
@@ -59,6 +68,56 @@ def apply_attention_variant(
     return _swap_layer(spec, module)
 
 
+def _check_core_attention(core_attention: str, use_transformer_engine: bool) -> None:
+    if core_attention not in CORE_ATTENTIONS:
+        raise ValueError(
+            f"core_attention must be one of {sorted(CORE_ATTENTIONS)}, got {core_attention!r}"
+        )
+    if use_transformer_engine and core_attention != "megatron":
+        raise ValueError(
+            f"core_attention={core_attention!r} applies to the local spec only "
+            "(use_transformer_engine=False); the TE spec uses TEDotProductAttention"
+        )
+
+
+def _swap_core_attention_of_layer(layer_spec: ModuleSpec, module: type) -> ModuleSpec:
+    attention = layer_spec.submodules.self_attention
+    current = getattr(attention.submodules, "core_attention", None)
+    if current is module:
+        return layer_spec
+    if current is not DotProductAttention:
+        name = getattr(current, "__name__", repr(current))
+        raise ValueError(
+            f"cannot replace the core attention {name} by {module.__name__}: only Megatron's "
+            "local DotProductAttention is replaced"
+        )
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=module)
+    )
+    submodules = dataclasses.replace(layer_spec.submodules, self_attention=attention)
+    return dataclasses.replace(layer_spec, submodules=submodules)
+
+
+def apply_core_attention(
+    spec: Union[ModuleSpec, TransformerBlockSubmodules], core_attention: str = "megatron"
+) -> Union[ModuleSpec, TransformerBlockSubmodules]:
+    """Return `spec` (a local layer or block spec) with `core_attention`'s module (a copy; a
+    shared layer spec stays shared). `"megatron"` returns `spec` itself."""
+    _check_core_attention(core_attention, use_transformer_engine=False)
+    module = CORE_ATTENTIONS[core_attention]
+    if module is DotProductAttention:
+        return spec
+    if isinstance(spec, TransformerBlockSubmodules):
+        swapped = {}
+        layer_specs = []
+        for layer_spec in spec.layer_specs:
+            if id(layer_spec) not in swapped:
+                swapped[id(layer_spec)] = _swap_core_attention_of_layer(layer_spec, module)
+            layer_specs.append(swapped[id(layer_spec)])
+        return dataclasses.replace(spec, layer_specs=layer_specs)
+    return _swap_core_attention_of_layer(spec, module)
+
+
 def get_gpt_layer_spec(
     config,
     use_transformer_engine: bool = True,
@@ -68,6 +127,7 @@ def get_gpt_layer_spec(
     normalization: Optional[str] = None,
     qk_l2_norm: bool = False,
     use_te_op_fuser: bool = False,
+    core_attention: str = "megatron",
 ) -> ModuleSpec:
     """One GPT layer spec with `config`'s attention variant.
 
@@ -83,7 +143,10 @@ def get_gpt_layer_spec(
         normalization: local backend only; default `config.normalization`.
         qk_l2_norm: L2-normalise q and k.
         use_te_op_fuser: TE backend only.
+        core_attention: local backend only: `"megatron"` (Megatron's unfused DotProductAttention)
+            or `"sdpa"` (torch's `scaled_dot_product_attention`, same function).
     """
+    _check_core_attention(core_attention, use_transformer_engine)
     # Megatron's builders take None for "dense"; here None means "as the config says".
     num_experts = config.num_moe_experts if num_experts is None else (num_experts or None)
     moe_grouped_gemm = config.moe_grouped_gemm if moe_grouped_gemm is None else moe_grouped_gemm
@@ -108,6 +171,7 @@ def get_gpt_layer_spec(
         spec = mcore_specs.get_gpt_layer_local_spec(
             **common, normalization=normalization or config.normalization
         )
+        spec = apply_core_attention(spec, core_attention)
     return apply_attention_variant(spec, config)
 
 
@@ -118,9 +182,12 @@ def get_gpt_decoder_block_spec(
     qk_l2_norm: Optional[bool] = False,
     vp_stage: Optional[int] = None,
     pp_rank: Optional[int] = None,
+    core_attention: str = "megatron",
 ) -> TransformerBlockSubmodules:
     """Megatron-Core's `get_gpt_decoder_block_spec` (same signature; dense and MoE layers by
-    `config.moe_layer_freq`, this pipeline stage's slice) with `config`'s attention variant."""
+    `config.moe_layer_freq`, this pipeline stage's slice) with `config`'s attention variant, and
+    (local backend) the core attention `core_attention` (`"megatron"` or `"sdpa"`)."""
+    _check_core_attention(core_attention, use_transformer_engine)
     if use_transformer_engine:
         require("transformer_engine", "use_transformer_engine=True")
     spec = mcore_specs.get_gpt_decoder_block_spec(
@@ -131,4 +198,6 @@ def get_gpt_decoder_block_spec(
         vp_stage=vp_stage,
         pp_rank=pp_rank,
     )
+    if not use_transformer_engine:
+        spec = apply_core_attention(spec, core_attention)
     return apply_attention_variant(spec, config)

@@ -40,3 +40,14 @@ def single_rank():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` (the tier in tests/gpu, `pytest -m gpu`) need a CUDA device: skipped
+    without one."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (the GPU tier: pytest -m gpu)")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)

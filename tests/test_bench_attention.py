@@ -1,18 +1,20 @@
-"""tools/bench_attention.py end to end at a tiny size: it times every variant, and the bytes it
-counts at TP=2 and TP=4 (real gloo processes) equal SPEC section 3's formulas."""
+"""`mea-bench-attention` (the installed console script) end to end at a tiny size: it times every
+variant, and the bytes it counts at TP=2 and TP=4 (real gloo processes) equal
+`parallel/exchange.py`'s formulas."""
 
 import json
 import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The console scripts are installed next to the interpreter running the tests.
+SCRIPT = os.path.join(os.path.dirname(sys.executable), "mea-bench-attention")
 
 
 def test_bench_attention_counts_the_formula_bytes_at_tp2_and_tp4(tmp_path):
     out = tmp_path / "bench.json"
     command = [
-        sys.executable, os.path.join(ROOT, "tools", "bench_attention.py"),
+        SCRIPT,
         "--hidden-size", "64", "--num-attention-heads", "8", "--num-query-groups", "4",
         "--seq-length", "32", "--repeats", "2", "--warmup", "0", "--model-layers", "1",
         "--model-repeats", "2",

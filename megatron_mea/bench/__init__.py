@@ -1,1 +1,1 @@
-"""The pieces of `tools/bench_attention.py` (`megatron_mea.cli.bench_attention`)."""
+"""The pieces of `mea-bench-attention` (`megatron_mea.cli.bench_attention`)."""

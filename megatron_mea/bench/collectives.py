@@ -1,4 +1,4 @@
-"""Bytes of every collective of one layer at TP > 1, against SPEC section 3's formulas.
+"""Bytes of every collective of one layer at TP > 1, against `parallel/exchange.py`'s formulas.
 
 Real processes (gloo, CPU, fp32: the byte counts do not depend on the device); each counts its
 own calls with `megatron_mea.parallel.comm_counter.CollectiveCounter`.
@@ -9,12 +9,13 @@ import json
 import os
 import socket
 
-from megatron_mea.bench.steps import LayerStep, quiet_warnings
+from megatron_mea.bench.steps import LayerStep
+from megatron_mea.cli._quiet import quiet_warnings  # the workers are part of the CLI's run
 from megatron_mea.cpu import megatron_on_cpu
 
 
 def expected_extra_bytes(args, variant, layer, tp: int) -> int:
-    """SPEC section 3: the exchange of MEA's K/V plus the SUM all-reduce of every TP-replicated
+    """The exchange of MEA's K/V plus the SUM all-reduce of every TP-replicated
     plugin matrix (HLC's `A`, KHA's `T`); the head norm is sharded and sends nothing."""
     from megatron_mea.parallel import (
         ExchangeShape,

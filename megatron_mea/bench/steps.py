@@ -1,4 +1,4 @@
-"""What `tools/bench_attention.py` times: one transformer layer, and one step of a small GPT.
+"""What `mea-bench-attention` times: one transformer layer, and one step of a small GPT.
 
 Every variant is built from the same seed and shape; only the attention differs (`VARIANTS`).
 `args` is the namespace of `megatron_mea.cli.bench_attention`'s parser.
@@ -15,17 +15,6 @@ VARIANTS = {
     "kha-linear-folded": dict(attention_variant="kha", kha_variant="linear", kha_fold_linear=True),
     "kha-mlp": dict(attention_variant="kha", kha_variant="mlp"),
 }
-
-
-def quiet_warnings() -> None:
-    """Megatron's SP advice about CUDA_DEVICE_MAX_CONNECTIONS and torch's renamed collectives
-    repeat on every call and would bury the table."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, message=".*is deprecated.*")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
 def make_config(args, variant, tp=1, num_layers=1):
@@ -58,18 +47,19 @@ def make_config(args, variant, tp=1, num_layers=1):
     )
 
 
-def build_layer(args, variant, tp=1):
+def build_layer(args, variant, tp=1, core_attention="megatron"):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_mea import get_gpt_layer_spec
 
     torch.manual_seed(args.seed)
     config = make_config(args, variant, tp)
-    spec = get_gpt_layer_spec(config, use_transformer_engine=args.transformer_engine)
+    spec = get_gpt_layer_spec(config, use_transformer_engine=args.transformer_engine,
+                              core_attention=core_attention)
     return build_module(spec, config=config, layer_number=1).to(args.device)
 
 
-def build_model(args, variant):
+def build_model(args, variant, core_attention="megatron"):
     from megatron.core.models.gpt import GPTModel
 
     from megatron_mea import get_gpt_decoder_block_spec
@@ -77,7 +67,8 @@ def build_model(args, variant):
 
     torch.manual_seed(args.seed)
     config = make_config(args, variant, num_layers=args.model_layers)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_engine)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_engine,
+                                      core_attention=core_attention)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
                      max_sequence_length=args.seq_length, position_embedding_type="rope")
     model = model.to(args.device)
@@ -87,12 +78,12 @@ def build_model(args, variant):
 
 class LayerStep:
     """Forward + backward of one layer on `[s/t, b, h]` (the SP shard) with RoPE and a causal
-    mask."""
+    mask. `core_attention`: the local spec's (`megatron` or `sdpa`, see `specs.py`)."""
 
-    def __init__(self, args, variant, tp=1):
+    def __init__(self, args, variant, tp=1, core_attention="megatron"):
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-        self.layer = build_layer(args, variant, tp)
+        self.layer = build_layer(args, variant, tp, core_attention)
         config = self.layer.config
         seq = args.seq_length
         dtype = config.params_dtype
@@ -113,10 +104,10 @@ class LayerStep:
 class ModelStep:
     """One optimizer step of a small GPT: micro-batches, the fold flush, Adam."""
 
-    def __init__(self, args, variant):
+    def __init__(self, args, variant, core_attention="megatron"):
         from megatron_mea.layers import flush_fold_caches
 
-        self.model = build_model(args, variant)
+        self.model = build_model(args, variant, core_attention)
         self.flush = flush_fold_caches
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
         gen = torch.Generator().manual_seed(args.seed)

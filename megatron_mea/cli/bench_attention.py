@@ -1,16 +1,20 @@
-"""Benchmark: the cost of MEA and KHA against the baseline, per layer and per model step.
+"""`mea-bench-attention`: the cost of MEA and KHA against the baseline, per layer and model step.
 
 1. Time: forward + backward of one transformer layer, and one step of a small full GPT (micro-
    batches, fold flush, Adam), for every variant in one process. Rounds run the variants in a
    shuffled order; the ratio to the baseline is the median over rounds of the paired ratio
    (same round, so the machine's drift cancels). Not a test: numbers depend on the machine.
+   The local spec is timed with each `--core-attention` (default both: Megatron's unfused
+   `DotProductAttention`, whose score tensors dominate a CPU step, and torch's fused
+   `scaled_dot_product_attention`), each against its own baseline; the JSON has them under
+   `by_core_attention`, and `layer` / `model_step` repeat the first.
 2. Bytes: every collective of one layer's forward + backward at TP=2 and TP=4 (sequence parallel,
    real gloo processes), counted by wrapping `torch.distributed`
    (`megatron_mea.parallel.comm_counter`), and the extra over the baseline checked against the
-   formulas of SPEC section 3 (`megatron_mea.parallel.exchange`); exit status 1 if they differ.
+   formulas of `megatron_mea.parallel.exchange`; exit status 1 if they differ.
 
-    python tools/bench_attention.py                  # CPU: hidden 1024, 16/4 heads, seq 2048
-    python tools/bench_attention.py --device cuda --bf16 --hidden-size 4096 \\
+    mea-bench-attention                  # CPU: hidden 1024, 16/4 heads, seq 2048
+    mea-bench-attention --device cuda --bf16 --hidden-size 4096 \\
         --num-attention-heads 32 --num-query-groups 8 --seq-length 4096   # one GPU (bench_gpu.sh)
 
 Prints a table; `--json` writes every number. `--profile` prints torch.profiler's top ops for
@@ -26,12 +30,14 @@ import sys
 import time
 
 from megatron_mea.bench.collectives import count_bytes, free_port
+from megatron_mea.bench.steps import VARIANTS, LayerStep, ModelStep, layer_flops
 from megatron_mea.cpu import megatron_on_cpu
-from megatron_mea.bench.steps import VARIANTS, LayerStep, ModelStep, layer_flops, quiet_warnings
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    """The command-line flags: the shape, the rounds, the device, the TP sizes counted."""
+    parser = argparse.ArgumentParser(prog="mea-bench-attention",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="baseline is always included (ratios are to it)")
     parser.add_argument("--hidden-size", type=int, default=1024)
@@ -56,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bf16", action="store_true", help="bf16 params and activations")
     parser.add_argument("--transformer-engine", action="store_true",
                         help="TE spec (TEDotProductAttention etc.); needs megatron_mea[te]")
+    parser.add_argument("--core-attention", nargs="+", default=["megatron", "sdpa"],
+                        choices=["megatron", "sdpa"],
+                        help="core attention(s) of the local spec, each timed against its own "
+                             "baseline: megatron (unfused DotProductAttention), sdpa (torch's "
+                             "scaled_dot_product_attention); the TE spec always uses TE's")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", default=None, help="write all results to this file")
@@ -73,8 +84,11 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_interleaved(steps: dict, args, repeats: int) -> dict:
-    """Seconds of every round per variant; the variants' order is shuffled every round."""
+def time_interleaved(steps: dict, args, repeats: int, cpu_times: dict = None) -> dict:
+    """Seconds of every round per variant; the variants' order is shuffled every round.
+
+    `cpu_times`, if given, receives this process's CPU seconds per round and variant (on a
+    loaded CPU machine, time spent descheduled counts in wall time but not here)."""
     from tqdm import tqdm
 
     order = list(steps)
@@ -84,22 +98,30 @@ def time_interleaved(steps: dict, args, repeats: int) -> dict:
         rng.shuffle(order)
         for name in order:
             _sync(args.device)
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             steps[name]()
             _sync(args.device)
             if round_index >= args.warmup:
                 times[name].append(time.perf_counter() - start)
+                if cpu_times is not None:
+                    cpu_times.setdefault(name, []).append(time.process_time() - start_cpu)
     return times
 
 
-def ratios(times: dict) -> dict:
-    """Median seconds and the median over rounds of the paired ratio to the baseline."""
+def ratios(times: dict, cpu_times: dict = None) -> dict:
+    """Median seconds and the median over rounds of the paired ratio to the baseline (and the
+    same of CPU seconds, `cpu_median_s` / `cpu_ratio`, when `cpu_times` is given)."""
     base = times.get("baseline")
     result = {}
     for name, seconds in times.items():
         row = {"median_s": statistics.median(seconds)}
         if base is not None:
             row["ratio"] = statistics.median(t / b for t, b in zip(seconds, base))
+        if cpu_times:
+            row["cpu_median_s"] = statistics.median(cpu_times[name])
+            if base is not None:
+                row["cpu_ratio"] = statistics.median(
+                    t / b for t, b in zip(cpu_times[name], cpu_times["baseline"]))
         result[name] = row
     return result
 
@@ -113,7 +135,8 @@ def profile(steps: dict, args) -> None:
     for name, step in steps.items():
         with torch_profile(activities=activities) as prof:
             step()
-        print(f"\n--- profile: {name} (one layer forward + backward) ---")
+        core = type(step.layer.self_attention.core_attention).__name__
+        print(f"\n--- profile: {name}, {core} (one layer forward + backward) ---")
         print(prof.key_averages().table(sort_by=sort, row_limit=15))
 
 
@@ -122,6 +145,11 @@ def profile(steps: dict, args) -> None:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.2f}"
+
+
+CORE_ATTENTION_NAMES = {"megatron": "megatron (unfused DotProductAttention)",
+                        "sdpa": "sdpa (torch scaled_dot_product_attention)",
+                        "te": "te (TEDotProductAttention)"}
 
 
 def report(result: dict) -> str:
@@ -133,21 +161,28 @@ def report(result: dict) -> str:
         f"{shape['micro_batch_size']}, {shape['dtype']}, {shape['device']}; rounds: "
         f"{result['rounds']['layer']} per layer, {result['rounds']['model_step']} per model step"
     )
-    for title, key in (("one layer, forward + backward", "layer"),
-                       ("small GPT step (micro-batches + Adam)", "model_step")):
-        rows = result.get(key)
+    sections = [(core, key, rows.get(key)) for core, rows in result["by_core_attention"].items()
+                for key in ("layer", "model_step")]
+    titles = {"layer": "one layer, forward + backward",
+              "model_step": "small GPT step (micro-batches + Adam)"}
+    for core, key, rows in sections:
         if not rows:
             continue
-        lines.append(f"\n{title}")
+        lines.append(f"\n{titles[key]}; core attention: {CORE_ATTENTION_NAMES[core]}")
         header = f"{'variant':<18}{'median ms':>11}{'vs baseline':>13}"
         if key == "layer":
             header += f"{'TFLOP/s':>9}"
+        with_cpu = "cpu_ratio" in next(iter(rows.values()))
+        if with_cpu:
+            header += f"{'CPU-time ratio':>16}"
         lines.append(header)
         for name, row in rows.items():
             ratio = row.get("ratio", float("nan"))
             line = f"{name:<18}{row['median_s'] * 1e3:>11.1f}{ratio:>12.3f}x"
             if key == "layer":
                 line += f"{result['layer_flops'] / row['median_s'] / 1e12:>9.3f}"
+            if with_cpu:
+                line += f"{row.get('cpu_ratio', float('nan')):>15.3f}x"
             lines.append(line)
     for tp, rows in result.get("bytes", {}).items():
         lines.append(f"\ncollectives of one layer forward + backward, TP={tp} with SP "
@@ -166,9 +201,15 @@ def report(result: dict) -> str:
 
 @megatron_on_cpu()
 def main(argv=None) -> int:
-    """Time the variants, count their collectives, print the table; returns the exit code."""
+    """Time the variants, count their collectives, print the table.
+
+    Args:
+        argv: the arguments. Default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status: 0, or 1 when a counted collective differs from its formula.
+    """
     args = build_parser().parse_args(argv)
-    quiet_warnings()
     import torch
 
     from megatron_mea._optional import require
@@ -201,18 +242,30 @@ def main(argv=None) -> int:
         "rounds": {"layer": args.repeats, "model_step": args.model_repeats},
         "layer_flops": layer_flops(args),
     }
-    layer_steps = {name: LayerStep(args, name) for name in args.variants}
-    if args.profile:
-        profile(layer_steps, args)
-    print(f"[bench] timing one layer: {len(layer_steps)} variants x {args.repeats} rounds "
-          f"(+{args.warmup} warm-up)", flush=True)
-    result["layer"] = ratios(time_interleaved(layer_steps, args, args.repeats))
-    del layer_steps
-    if args.model_layers:
-        print(f"[bench] timing a {args.model_layers}-layer GPT step", flush=True)
-        model_steps = {name: ModelStep(args, name) for name in args.variants}
-        result["model_step"] = ratios(time_interleaved(model_steps, args, args.model_repeats))
-        del model_steps
+    # Each core attention is timed in its own interleaved rounds, against its own baseline.
+    # "layer" / "model_step" repeat the first one's rows (the TE spec: "te", TE's attention).
+    cores = ["megatron"] if args.transformer_engine else list(dict.fromkeys(args.core_attention))
+    result["by_core_attention"] = {}
+    for core in cores:
+        label = "te" if args.transformer_engine else core
+        rows = result["by_core_attention"][label] = {}
+        layer_steps = {name: LayerStep(args, name, core_attention=core) for name in args.variants}
+        if args.profile:
+            profile(layer_steps, args)
+        print(f"[bench] timing one layer ({label} core attention): {len(layer_steps)} variants x "
+              f"{args.repeats} rounds (+{args.warmup} warm-up)", flush=True)
+        cpu = {} if args.device == "cpu" else None
+        rows["layer"] = ratios(time_interleaved(layer_steps, args, args.repeats, cpu), cpu)
+        del layer_steps
+        if args.model_layers:
+            print(f"[bench] timing a {args.model_layers}-layer GPT step ({label})", flush=True)
+            model_steps = {name: ModelStep(args, name, core) for name in args.variants}
+            cpu = {} if args.device == "cpu" else None
+            rows["model_step"] = ratios(
+                time_interleaved(model_steps, args, args.model_repeats, cpu), cpu)
+            del model_steps
+    first = next(iter(result["by_core_attention"].values()))
+    result.update(layer=first["layer"], model_step=first.get("model_step", {}))
     dist.destroy_process_group()
     parallel_state.destroy_model_parallel()
 
