@@ -3,6 +3,7 @@ but the CUDA-only ones), and its pieces (wheel selection, FLOP counts, peaks, ch
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -17,7 +18,15 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, "-m", "megatron_mea.cli.gpu_acceptance", "--cpu-smoke",
                "--out", str(out)]
-    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # Called from a distributed process (as from this test session's gloo group), the run must
+    # not reuse the caller's rendezvous: advertise a port that is taken.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(taken.getsockname()[1]),
+                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                             env=env)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
     result = json.loads((out / "acceptance.json").read_text())
     assert result["mode"] == "cpu-smoke" and result["ok"]

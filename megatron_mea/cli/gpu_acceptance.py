@@ -76,6 +76,7 @@ class Plan:
     # training (mea-pretrain flags), shared by the three runs
     train_flags: List[str]
     train_seconds: float  # per run, after the model is built; the run stops at iters or here
+    warmup_seconds: float  # an unreported baseline run first (one-time costs of the process)
     train_timeout_s: int  # the whole training worker
     # layer benchmark: (hidden, heads, groups) per shape, and mea-bench-attention's other flags
     bench_shapes: List[tuple]
@@ -93,7 +94,8 @@ GPU_PLAN = Plan(
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "300",
         "--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-fraction", "0.03", "--bf16",
     ],
-    train_seconds=40.0,
+    train_seconds=35.0,
+    warmup_seconds=5.0,
     train_timeout_s=300,
     bench_shapes=[(2048, 16, 4), (4096, 32, 8)],
     bench_flags=[
@@ -114,16 +116,19 @@ SMOKE_PLAN = Plan(
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "24",
         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-fraction", "0.05",
     ],
-    train_seconds=30.0,
-    train_timeout_s=240,
+    # Generous: on an idle machine a run's 24 steps take about a second; the limits only matter
+    # on a loaded one, where a run cut after a few steps could not show a falling loss.
+    train_seconds=60.0,
+    warmup_seconds=1.0,
+    train_timeout_s=420,
     bench_shapes=[(64, 8, 2), (128, 8, 2)],
     bench_flags=[
         "--device", "cpu", "--seq-length", "64", "--micro-batch-size", "1", "--repeats", "2",
         "--warmup", "1", "--model-layers", "1", "--model-micro-batches", "1",
         "--model-repeats", "1", "--vocab-size", "128",
     ],
-    bench_timeout_s=180,
-    budget_s=600,
+    bench_timeout_s=240,
+    budget_s=850,
 )
 
 # The three training runs: name -> the variant's mea-pretrain flags. MEA with virtual heads
@@ -227,7 +232,7 @@ def _train_worker(spec_path: str) -> int:
         for run in spec["runs"]:
             _log(f"training {run['name']}: {' '.join(run['argv'])}")
             try:
-                results[run["name"]] = _train_one(run["argv"], spec["seconds"])
+                results[run["name"]] = _train_one(run["argv"], run.get("seconds", spec["seconds"]))
             except Exception as exc:  # noqa: BLE001 -- report it, run the next variant
                 import gc
                 import traceback
@@ -243,6 +248,9 @@ def _train_worker(spec_path: str) -> int:
             with open(spec["out"], "w", encoding="utf-8") as handle:
                 json.dump(results, handle, indent=1)
     return 0
+
+
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
 def _train_one(argv: List[str], seconds: float) -> dict:
@@ -339,7 +347,10 @@ class Runner:
     def subprocess(self, argv: List[str], log_name: str, timeout: float) -> dict:
         """Run `argv` from the repository root, its output teed to `log_name` under out."""
         log_path = os.path.join(self.out, log_name)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Each step is a world of its own: an inherited rendezvous (MASTER_PORT of a caller that
+        # is itself a distributed process, such as a test session) would already be taken.
+        env = {key: value for key, value in os.environ.items() if key not in _RENDEZVOUS}
+        env["PYTHONUNBUFFERED"] = "1"
         root = repo_root()
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         start = time.perf_counter()
@@ -485,7 +496,11 @@ class Runner:
         for name, variant in TRAIN_VARIANTS.items():
             variant = [str(max(1, groups // 2)) if v == "HALF_GROUPS" else v for v in variant]
             runs.append({"name": name, "argv": common + variant})
-        seconds = min(self.plan.train_seconds, max(5.0, (self.remaining() - 120) / 3 - 15))
+        # A short unreported run first: the process's one-time costs (CUDA context, cuBLAS
+        # handles, allocator growth, lazy imports) would otherwise land on the first variant.
+        runs.insert(0, {"name": "warm-up", "argv": runs[0]["argv"],
+                        "seconds": self.plan.warmup_seconds})
+        seconds = min(self.plan.train_seconds, max(5.0, (self.remaining() - 140) / 3 - 15))
         out = os.path.join(self.out, "training_raw.json")
         spec = os.path.join(self.out, "training_spec.json")
         with open(spec, "w", encoding="utf-8") as handle:
@@ -760,7 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's dense bf16 peak for MFU (default: from its name)")
     parser.add_argument("--train-seconds", type=float, default=None,
-                        help="seconds of training per variant (default: 40 on a GPU)")
+                        help="seconds of training per variant (default: 35 on a GPU)")
     parser.add_argument("--budget-s", type=int, default=None,
                         help="the whole run's time budget; steps that no longer fit are skipped "
                              "(default 465 on a GPU)")
