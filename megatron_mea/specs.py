@@ -57,15 +57,20 @@ def apply_attention_variant(
     module = attention_module(config)
     if module is SelfAttention:
         return spec
-    if isinstance(spec, TransformerBlockSubmodules):
-        swapped = {}
-        layer_specs = []
-        for layer_spec in spec.layer_specs:
-            if id(layer_spec) not in swapped:
-                swapped[id(layer_spec)] = _swap_layer(layer_spec, module)
-            layer_specs.append(swapped[id(layer_spec)])
-        return dataclasses.replace(spec, layer_specs=layer_specs)
-    return _swap_layer(spec, module)
+    return _map_layers(spec, lambda layer_spec: _swap_layer(layer_spec, module))
+
+
+def _map_layers(spec, swap):
+    """`swap` applied to a layer spec, or to every layer spec of a block spec. Megatron shares one
+    spec object between all layers of a kind; each distinct one is swapped once, so the copy keeps
+    that sharing."""
+    if not isinstance(spec, TransformerBlockSubmodules):
+        return swap(spec)
+    swapped = {}
+    for layer_spec in spec.layer_specs:
+        if id(layer_spec) not in swapped:
+            swapped[id(layer_spec)] = swap(layer_spec)
+    return dataclasses.replace(spec, layer_specs=[swapped[id(ls)] for ls in spec.layer_specs])
 
 
 def _check_core_attention(core_attention: str, use_transformer_engine: bool) -> None:
@@ -107,15 +112,7 @@ def apply_core_attention(
     module = CORE_ATTENTIONS[core_attention]
     if module is DotProductAttention:
         return spec
-    if isinstance(spec, TransformerBlockSubmodules):
-        swapped = {}
-        layer_specs = []
-        for layer_spec in spec.layer_specs:
-            if id(layer_spec) not in swapped:
-                swapped[id(layer_spec)] = _swap_core_attention_of_layer(layer_spec, module)
-            layer_specs.append(swapped[id(layer_spec)])
-        return dataclasses.replace(spec, layer_specs=layer_specs)
-    return _swap_core_attention_of_layer(spec, module)
+    return _map_layers(spec, lambda layer_spec: _swap_core_attention_of_layer(layer_spec, module))
 
 
 def get_gpt_layer_spec(
