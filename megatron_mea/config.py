@@ -6,17 +6,23 @@ the sizes involved, so that nothing fails later as an assert deep inside a forwa
 
 import logging
 from dataclasses import dataclass
-from typing import Literal, Optional, Tuple
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_mea.variant import (
+    AttentionVariantFields,
+    choices,
+    default_kha_variant,
+    fields_of_scope,
+)
+
 logger = logging.getLogger(__name__)
 
-ATTENTION_VARIANTS = ("standard", "mea", "kha")
-MEA_MIX_INITS = ("identity", "repeat", "normal")
-MEA_TP_EXCHANGES = ("activations", "weights", "auto")
-KHA_VARIANTS = ("linear", "mlp")
-KHA_TARGETS = ("q", "k", "v")
+ATTENTION_VARIANTS = choices("attention_variant")
+MEA_MIX_INITS = choices("mea_mix_init")
+MEA_TP_EXCHANGES = choices("mea_tp_exchange")
+KHA_VARIANTS = choices("kha_variant")
+KHA_TARGETS = choices("kha_targets")
 
 # Megatron features that bypass the Python q/k/v path the variants hook into, or that change the
 # attention module altogether. Each maps to the reason shown to the user.
@@ -24,88 +30,91 @@ _UNSUPPORTED_WITH_VARIANTS = {
     "fused_single_qkv_rope": "it skips the q/k/v split the variants act on",
     "flash_decode": "its GPU kernel path skips the variants' KV-cache handling",
     "fp8_multi_head_attention": "it hands FP8 tensors to the plugin's bf16 ops",
-    "multi_latent_attention": "MLA has its own attention module (use attention_variant='standard')",
     "attention_output_gate": "the gated output path is not supported by the variants yet",
 }
 
 
 @dataclass
-class MEATransformerConfig(TransformerConfig):
+class MEATransformerConfig(AttentionVariantFields, TransformerConfig):
     """Transformer config with the cross-head attention variants of megatron_mea.
 
-    Sizes use Megatron's notation: `np` = num_attention_heads, `ng` = num_query_groups,
-    `hn` = kv_channels, `t` = tensor_model_parallel_size.
+    The variant fields are declared (with their meaning) in `megatron_mea.variant`; this class
+    validates them against the model. Sizes use Megatron's notation: `np` = num_attention_heads,
+    `ng` = num_query_groups, `hn` = kv_channels, `t` = tensor_model_parallel_size.
     """
 
-    attention_variant: Literal["standard", "mea", "kha"] = "standard"
-    """Self-attention flavour: plain Megatron attention, MEA (head-level linear composition of K/V
-    plus a per-head RMS norm) or KHA (a shared per-head transform of Q/K/V)."""
-
-    mea_num_kv_components: Optional[int] = None
-    """MEA: number of component K/V heads `nc` that `linear_qkv` produces and the KV cache stores;
-    HLC rebuilds the `ng` composite heads from them. Default `ng`; `nc < ng` gives virtual heads
-    (KV cache `nc/ng` of GQA's). Must divide `np` and be a multiple or a divisor of `t` (with
-    `nc < t` every rank computes and caches all components)."""
-
-    mea_num_kv_components_per_layer: Optional[Tuple[int, ...]] = None
-    """MEA: one `nc` per layer (e.g. after compressing only some layers post hoc), overriding
-    `mea_num_kv_components`; each entry obeys the same rules."""
-
-    mea_mix_init: Optional[Literal["identity", "repeat", "normal"]] = None
-    """MEA: initial mixing matrices `[nc, ng]`. Default by shape: `identity` when `nc == ng`,
-    `repeat` (composite h copies component `h * nc // ng`, i.e. GQA with nc groups) otherwise.
-    `normal` draws N(0, 1/nc)."""
-
-    mea_head_norm: bool = True
-    """MEA: RMS-normalise each query head's attention output over its `hn` channels (learnable scale
-    per head and channel, eps = layernorm_epsilon) before `linear_proj`."""
-
-    mea_tp_exchange: Literal["activations", "weights", "auto"] = "activations"
-    """MEA under tensor parallelism (training forwards; evaluation and decoding always mix the
-    cached components). `activations` trades the head shard of K/V for a token shard with one
-    all-to-all, mixes, and trades back (per micro-batch). `weights` folds HLC into the K/V rows of
-    `linear_qkv` (all-gather of those rows, reduce-scatter of their gradient; once per optimizer
-    step with `megatron_mea.layers.enable_fold_cache`). `auto` takes, per micro-batch, whichever
-    sends fewer elements (`megatron_mea.parallel.exchange`). All three compute the same model."""
-
-    kha_variant: Optional[Literal["linear", "mlp"]] = None
-    """KHA: `linear` (a shared `hn x hn` matrix per target) or `mlp` (gated MLP on V only).
-    Default by model, following the KHA paper's ablations: `mlp` for MoE models, `linear` for dense."""
-
-    kha_targets: Optional[tuple] = None
-    """KHA: which of q, k, v are transformed. Default ("q", "k", "v") for `linear`, ("v",) for
-    `mlp` (the only allowed value there)."""
-
-    kha_fold_linear: bool = False
-    """KHA-Linear: fold the matrices into the rows of `linear_qkv` (`T^T W` per head) and project
-    once, instead of transforming the projected heads (an exact reparametrisation of the same
-    computation, without the per-token matmuls; once per optimizer step with
-    `megatron_mea.layers.enable_fold_cache`)."""
-
     def __post_init__(self):
-        if self.attention_variant not in ATTENTION_VARIANTS:
-            raise ValueError(
-                f"attention_variant ({self.attention_variant!r}) must be one of {ATTENTION_VARIANTS}"
-            )
-        if self.attention_variant != "standard":
+        self._check_variant_names()
+        in_use = self.variants_in_use() - {"standard"}
+        if in_use:
             # Before Megatron's own checks, so the user hears about the variant conflict first.
             self._check_unsupported_features()
-        if self.attention_variant == "mea":
+        if "mea" in in_use:
             self._check_tp_exchange()
-        if self.attention_variant == "kha" and self.kha_fold_linear:
+        if "kha" in in_use and self.kha_fold_linear:
             self._check_folded_projection("kha_fold_linear=True")
         super().__post_init__()
         self._check_head_counts()
-        if self.attention_variant == "standard":
+        if not in_use:
             self._warn_ignored_fields()
             return
         self._check_tensor_parallel_groups()
-        if self.attention_variant == "mea":
+        if self.attention_variant_per_layer and len(set(self.attention_variant_per_layer)) > 1:
+            # Megatron stacks each tensor of all layers under one key, which needs one shape;
+            # with per-layer modules, checkpoint every layer under its own key instead.
+            self.hetereogenous_dist_checkpoint = True
+        self.resolve_variant_defaults(
+            self.num_query_groups,
+            moe=bool(self.num_moe_experts),
+            multi_latent_attention=self.multi_latent_attention,
+        )
+        if "mea" in in_use:
             self._check_mea()
         else:
             self._check_kha()
 
     # ---- validation, one method per group of fields ------------------------------------------
+
+    def _check_variant_names(self):
+        if self.attention_variant not in ATTENTION_VARIANTS:
+            raise ValueError(
+                f"attention_variant ({self.attention_variant!r}) must be one of {ATTENTION_VARIANTS}"
+            )
+        per_layer = self.attention_variant_per_layer
+        if per_layer is None:
+            return
+        if isinstance(per_layer, str):
+            raise ValueError(
+                f"attention_variant_per_layer ({per_layer!r}) must be a sequence with one variant "
+                "per layer"
+            )
+        per_layer = self.attention_variant_per_layer = tuple(per_layer)
+        if len(per_layer) != self.num_layers:
+            raise ValueError(
+                f"attention_variant_per_layer has {len(per_layer)} entries, num_layers is "
+                f"{self.num_layers}"
+            )
+        unknown = sorted({v for v in per_layer if v not in ATTENTION_VARIANTS}, key=str)
+        if unknown:
+            raise ValueError(
+                f"attention_variant_per_layer: {unknown} not in {ATTENTION_VARIANTS}"
+            )
+        variants = set(per_layer) - {"standard"}
+        if len(variants) > 1 or (variants and variants != {self.attention_variant}):
+            # The model-wide settings (TP exchange, folding, KV cache, HF export) follow
+            # `attention_variant`; mixing MEA and KHA layers would need two of each.
+            raise ValueError(
+                f"attention_variant_per_layer mixes {sorted(set(per_layer))}: its layers must be "
+                f"'standard' or attention_variant ({self.attention_variant!r})"
+            )
+
+    def variant_of(self, layer_number: int) -> str:
+        """The attention variant of layer `layer_number` (1-based, global, as Megatron numbers
+        layers; MTP layers, numbered after the decoder's, take `attention_variant`)."""
+        per_layer = self.attention_variant_per_layer
+        if per_layer is None or not 1 <= layer_number <= len(per_layer):
+            return self.attention_variant
+        return per_layer[layer_number - 1]
 
     def _check_head_counts(self):
         # Megatron accepts these and fails later inside a layer constructor.
@@ -116,17 +125,12 @@ class MEATransformerConfig(TransformerConfig):
             )
 
     def _warn_ignored_fields(self):
+        defaults = AttentionVariantFields()
         set_fields = [
             name
-            for name, default in (
-                ("mea_num_kv_components", None),
-                ("mea_num_kv_components_per_layer", None),
-                ("mea_mix_init", None),
-                ("kha_variant", None),
-                ("kha_targets", None),
-                ("kha_fold_linear", False),
-            )
-            if getattr(self, name) != default
+            for name in fields_of_scope("model", "init", "training")
+            if name != "attention_variant"
+            and getattr(self, name) not in (None, False, getattr(defaults, name))
         ]
         if set_fields:
             logger.warning(
@@ -140,10 +144,55 @@ class MEATransformerConfig(TransformerConfig):
                     f"{name}=True is not supported with attention_variant="
                     f"'{self.attention_variant}': {why}"
                 )
+        if self.multi_latent_attention:
+            self._check_multi_latent_attention()
         if self.experimental_attention_variant is not None:
             raise ValueError(
                 f"experimental_attention_variant ({self.experimental_attention_variant!r}) cannot "
                 f"be combined with attention_variant='{self.attention_variant}'"
+            )
+
+    def _check_multi_latent_attention(self):
+        # Only KHA-Linear has an MLA module (layers/kha_mla.py): it folds into MLA's
+        # up-projections, so MLA's latent KV cache and absorbed decoding stay exact.
+        variant = f"attention_variant='{self.attention_variant}'"
+        if "mea" in self.variants_in_use():
+            raise ValueError(
+                f"multi_latent_attention=True is not supported with {variant}: MEA composes "
+                "whole K/V heads from cached component heads, but MLA caches one shared latent "
+                "and builds every head from it, so a head-level composition is only a "
+                "reparametrisation of linear_kv_up_proj and there are no component heads to "
+                "cache (and MLA has no linear_qkv for MEA's split)"
+            )
+        kha_variant = self.kha_variant or default_kha_variant(
+            bool(self.num_moe_experts), multi_latent_attention=True
+        )
+        if kha_variant != "linear":
+            raise ValueError(
+                f"multi_latent_attention=True needs kha_variant='linear' with {variant} (got "
+                f"{kha_variant!r}): "
+                "the KHA paper reports that only the linear variant works on MLA. The MLP is "
+                "not linear in the latent, so it cannot fold into linear_kv_up_proj: every "
+                "cached token's value head would have to be rebuilt, which defeats MLA's "
+                "latent KV cache and its absorbed decoding"
+            )
+        if self.kha_fold_linear:
+            raise ValueError(
+                "kha_fold_linear=True is not supported with multi_latent_attention=True: it "
+                "folds into linear_qkv, which MLA does not have"
+            )
+        if getattr(self, "cache_mla_latents", False):
+            raise ValueError(
+                f"cache_mla_latents=True is not supported with {variant}: the absorbed latent "
+                "path does not build the per-head K/V that KHA transforms"
+            )
+        t = self.tensor_model_parallel_size
+        if t > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"multi_latent_attention=True with {variant} and tensor_model_parallel_size "
+                f"({t}) > 1 needs sequence_parallel=True: Megatron's MLA sums the gradient of "
+                "the RoPE key shared by all heads (and of its duplicated down-projections) over "
+                "the TP ranks only in the sequence-parallel gather"
             )
 
     def _check_tensor_parallel_groups(self):
@@ -158,24 +207,38 @@ class MEATransformerConfig(TransformerConfig):
 
     def _check_mea(self):
         ng = self.num_query_groups
-        if self.mea_num_kv_components is None:
-            self.mea_num_kv_components = ng
         self._check_components("mea_num_kv_components", self.mea_num_kv_components)
         per_layer = self.mea_num_kv_components_per_layer
         if per_layer is not None:
-            per_layer = tuple(per_layer)
+            per_layer = self.mea_num_kv_components_per_layer = tuple(per_layer)
             if len(per_layer) != self.num_layers:
                 raise ValueError(
                     f"mea_num_kv_components_per_layer has {len(per_layer)} entries, "
                     f"num_layers is {self.num_layers}"
                 )
-            for nc in sorted(set(per_layer), key=str):
-                self._check_components("mea_num_kv_components_per_layer", nc)
-            self.mea_num_kv_components_per_layer = per_layer
             # Megatron stacks each tensor of all layers under one key, which needs one shape;
             # with per-layer shapes, checkpoint every layer under its own key instead.
             self.hetereogenous_dist_checkpoint = True
-        counts = set(per_layer or (self.mea_num_kv_components,))
+            mea_layers = [n for n in range(1, self.num_layers + 1) if self.variant_of(n) == "mea"]
+            for nc in sorted({per_layer[n - 1] for n in mea_layers}, key=str):
+                self._check_components("mea_num_kv_components_per_layer", nc)
+        counts = {
+            self.kv_components(n)
+            for n in range(1, self.num_layers + 1)
+            if self.variant_of(n) == "mea"
+        } or {self.mea_num_kv_components}
+        if not self.mea_hlc:
+            if counts != {ng}:
+                raise ValueError(
+                    f"mea_hlc=False (head norm only) needs mea_num_kv_components "
+                    f"({min(counts)}) == num_query_groups ({ng}): without HLC no composite heads "
+                    "are built from fewer components"
+                )
+            if not self.mea_head_norm:
+                raise ValueError(
+                    "mea_hlc=False with mea_head_norm=False leaves nothing of MEA; use "
+                    "attention_variant='standard'"
+                )
         if self.mea_mix_init is None:
             # `repeat` is the identity wherever nc == ng.
             self.mea_mix_init = "identity" if counts == {ng} else "repeat"
@@ -251,12 +314,8 @@ class MEATransformerConfig(TransformerConfig):
         return per_layer[layer_number - 1]
 
     def _check_kha(self):
-        if self.kha_variant is None:
-            self.kha_variant = "mlp" if self.num_moe_experts else "linear"
         if self.kha_variant not in KHA_VARIANTS:
             raise ValueError(f"kha_variant ({self.kha_variant!r}) must be one of {KHA_VARIANTS}")
-        if self.kha_targets is None:
-            self.kha_targets = ("v",) if self.kha_variant == "mlp" else KHA_TARGETS
         if isinstance(self.kha_targets, str):
             raise ValueError(
                 f"kha_targets ({self.kha_targets!r}) must be a tuple such as ('q', 'k', 'v')"

@@ -25,10 +25,13 @@ caches only the `nc` components.
 import dataclasses
 from typing import Optional, Union
 
+from megatron_mea.variant import AttentionVariantFields
 
-@dataclasses.dataclass
-class ModelShape:
-    """The sizes that determine parameters and FLOPs (Megatron-LM flag names, underscored)."""
+
+@dataclasses.dataclass(kw_only=True)
+class ModelShape(AttentionVariantFields):
+    """The sizes that determine parameters and FLOPs (Megatron-LM flag names, underscored), with
+    the attention-variant fields inherited (per-layer variants and component counts included)."""
 
     num_layers: int
     hidden_size: int
@@ -50,11 +53,6 @@ class ModelShape:
     moe_ffn_hidden_size: Optional[int] = None
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_layer_freq: Union[int, list] = 1
-    attention_variant: str = "standard"
-    mea_num_kv_components: Optional[int] = None
-    mea_head_norm: bool = True
-    kha_variant: Optional[str] = None
-    kha_targets: Optional[tuple] = None
 
     def __post_init__(self):
         self.num_query_groups = self.num_query_groups or self.num_attention_heads
@@ -63,13 +61,7 @@ class ModelShape:
             self.ffn_hidden_size = 4 * self.hidden_size
         if self.num_experts and self.moe_ffn_hidden_size is None:
             self.moe_ffn_hidden_size = self.ffn_hidden_size
-        if self.attention_variant == "mea" and self.mea_num_kv_components is None:
-            self.mea_num_kv_components = self.num_query_groups
-        if self.attention_variant == "kha":
-            # Defaults as in MEATransformerConfig: mlp (on v) for MoE, linear (on q, k, v) for dense.
-            self.kha_variant = self.kha_variant or ("mlp" if self.num_experts else "linear")
-            if self.kha_targets is None:
-                self.kha_targets = ("v",) if self.kha_variant == "mlp" else ("q", "k", "v")
+        self.resolve_variant_defaults(self.num_query_groups, moe=bool(self.num_experts))
 
     @classmethod
     def from_args(cls, args) -> "ModelShape":
@@ -85,12 +77,24 @@ class ModelShape:
             kwargs.pop("num_query_groups", None)
         return cls(**kwargs)
 
+    def layer_variant(self, layer: int) -> str:
+        """The attention variant of 0-based `layer`."""
+        per_layer = self.attention_variant_per_layer
+        return per_layer[layer] if per_layer else self.attention_variant
+
+    def kv_heads(self, layer: int) -> int:
+        """K/V heads `linear_qkv` of 0-based `layer` produces and the cache holds: `nc` for MEA,
+        else `ng`."""
+        if self.layer_variant(layer) != "mea":
+            return self.num_query_groups
+        per_layer = self.mea_num_kv_components_per_layer
+        return per_layer[layer] if per_layer else self.mea_num_kv_components
+
     @property
-    def kv_heads_stored(self) -> int:
-        """K/V heads `linear_qkv` produces and the cache holds: `nc` for MEA, else `ng`."""
-        if self.attention_variant == "mea":
-            return self.mea_num_kv_components
-        return self.num_query_groups
+    def kv_heads_stored(self) -> Union[int, tuple]:
+        """`kv_heads` of every layer: one number when all layers agree, else one per layer."""
+        heads = tuple(self.kv_heads(layer) for layer in range(self.num_layers))
+        return heads[0] if len(set(heads)) == 1 else heads
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether 0-based `layer` is an MoE layer under `moe_layer_freq` (Megatron's rule)."""
@@ -111,10 +115,12 @@ def _mlp(shape: ModelShape, width: int) -> int:
     return gated * shape.hidden_size * width + width * shape.hidden_size + bias
 
 
-def attention_params(shape: ModelShape) -> dict:
-    """Per-layer attention parameters, split into `matmul` (q/k/v/o) and the variant's `extra`."""
+def attention_params(shape: ModelShape, layer: int = 0) -> dict:
+    """Attention parameters of 0-based `layer`, split into `matmul` (q/k/v/o) and the variant's
+    `extra`."""
     h, np_, hn, ng, nkv = (shape.hidden_size, shape.num_attention_heads, shape.kv_channels,
-                           shape.num_query_groups, shape.kv_heads_stored)
+                           shape.num_query_groups, shape.kv_heads(layer))
+    variant = shape.layer_variant(layer)
     qkv_out = (np_ + 2 * nkv) * hn
     matmul = h * qkv_out + np_ * hn * h
     extra = _norm(shape, h)  # input layernorm (fused into linear_qkv with TE)
@@ -124,19 +130,20 @@ def attention_params(shape: ModelShape) -> dict:
         extra += h
     if shape.qk_layernorm:
         extra += 2 * _norm(shape, hn)
-    if shape.attention_variant == "mea":
-        extra += 2 * nkv * ng + (np_ * hn if shape.mea_head_norm else 0)
-    elif shape.attention_variant == "kha":
+    if variant == "mea":
+        extra += (2 * nkv * ng if shape.mea_hlc else 0) + (np_ * hn if shape.mea_head_norm else 0)
+    elif variant == "kha":
         extra += (3 if shape.kha_variant == "mlp" else len(shape.kha_targets)) * hn * hn
     return {"matmul": matmul, "extra": extra}
 
 
-def variant_forward_flops(shape: ModelShape) -> int:
-    """Forward FLOPs per token per layer of the variant's own ops (HLC or KHA matmuls)."""
+def variant_forward_flops(shape: ModelShape, layer: int = 0) -> int:
+    """Forward FLOPs per token of 0-based `layer`'s variant ops (HLC or KHA matmuls)."""
     hn, np_, ng = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups
-    if shape.attention_variant == "mea":
-        return 2 * 2 * shape.kv_heads_stored * ng * hn
-    if shape.attention_variant == "kha":
+    variant = shape.layer_variant(layer)
+    if variant == "mea":
+        return 2 * 2 * shape.kv_heads(layer) * ng * hn if shape.mea_hlc else 0
+    if variant == "kha":
         if shape.kha_variant == "mlp":
             return 3 * 2 * hn * hn * ng
         heads = {"q": np_, "k": ng, "v": ng}
@@ -160,9 +167,10 @@ def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
     output = V * h if shape.untie_embeddings_and_output_weights else 0
     total = active = embedding + output + _norm(shape, h)
     matmul_active = output if output else V * h  # a tied output layer still multiplies
-    experts_total = 0
-    attn = attention_params(shape)
+    experts_total = variant_flops = 0
     for layer in range(shape.num_layers):
+        attn = attention_params(shape, layer)
+        variant_flops += variant_forward_flops(shape, layer)
         layer_params = attn["matmul"] + attn["extra"] + _norm(shape, h)
         layer_matmul = attn["matmul"]
         if shape.is_moe_layer(layer):
@@ -181,15 +189,16 @@ def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
             layer_matmul += mlp
         matmul_active += layer_matmul
     attention_flops = 2 * 2 * shape.num_attention_heads * shape.kv_channels * shape.seq_length / 2
-    forward = 2 * matmul_active + shape.num_layers * (attention_flops + variant_forward_flops(shape))
+    forward = 2 * matmul_active + shape.num_layers * attention_flops + variant_flops
     return {
         "total_params": total,
         "active_params": active,
         "embedding_params": embedding + output,
         "expert_params": experts_total,
         "training_flops_per_token": int(3 * forward),
-        "kv_cache_bytes_per_token": (
-            2 * shape.num_layers * shape.kv_heads_stored * shape.kv_channels * bytes_per_element
+        "kv_cache_bytes_per_token": 2 * sum(
+            shape.kv_heads(layer) * shape.kv_channels * bytes_per_element
+            for layer in range(shape.num_layers)
         ),
         "kv_heads_stored": shape.kv_heads_stored,
     }

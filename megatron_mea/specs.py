@@ -2,7 +2,9 @@
 
 Megatron's own spec functions build everything (TE or local backend, dense or MoE, q/k norms);
 the variants only swap the `self_attention` module, keeping its submodules. Specs are rebuilt, not
-mutated, so a spec shared elsewhere is never changed behind its owner's back.
+mutated, so a spec shared elsewhere is never changed behind its owner's back. With
+`multi_latent_attention`, KHA swaps Megatron's `MLASelfAttention` for `KHAMLASelfAttention`
+(`layers/kha_mla.py`).
 
 `core_attention` picks the core attention of the local (non-TE) spec: `"megatron"` (default,
 Megatron's unfused `DotProductAttention`) or `"sdpa"` (`SDPADotProductAttention`, the same function
@@ -14,32 +16,68 @@ import dataclasses
 from typing import Optional, Union
 
 from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
+from megatron.core.post_training.modelopt.layers import Linear as DuplicatedLinear
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_mea._optional import require
 from megatron_mea.compat import legacy_grouped_gemm_kwargs
 from megatron_mea.layers import KHASelfAttention, MEASelfAttention
+from megatron_mea.layers.kha_mla import KHAMLASelfAttention, MLASDPADotProductAttention
 from megatron_mea.layers.sdpa_attention import SDPADotProductAttention
 
 _ATTENTION_MODULES = {"standard": SelfAttention, "mea": MEASelfAttention, "kha": KHASelfAttention}
+# Megatron's MLA module -> the variant's MLA counterpart (the config admits KHA only).
+_MLA_MODULES = {KHASelfAttention: KHAMLASelfAttention}
 # `core_attention` choices of the local spec -> the module class.
 CORE_ATTENTIONS = {"megatron": DotProductAttention, "sdpa": SDPADotProductAttention}
+# ... and its MLA counterpart (MLA's q/k and v heads differ in size).
+_MLA_CORE_ATTENTIONS = {SDPADotProductAttention: MLASDPADotProductAttention}
 
 
-def attention_module(config) -> type:
-    """The self-attention class for `config.attention_variant` (plain configs: `SelfAttention`)."""
-    return _ATTENTION_MODULES[getattr(config, "attention_variant", "standard")]
+def attention_module(config, layer_number: Optional[int] = None) -> type:
+    """The self-attention class of `config`'s variant (plain configs: `SelfAttention`): of layer
+    `layer_number` (1-based, global) when given, else the class a spec of all layers holds
+    (`PerLayerSelfAttention` where the layers differ)."""
+    per_layer = getattr(config, "attention_variant_per_layer", None)
+    if layer_number is not None and per_layer:
+        return _ATTENTION_MODULES[config.variant_of(layer_number)]
+    if per_layer and len(set(per_layer)) > 1:
+        return PerLayerSelfAttention
+    variant = per_layer[0] if per_layer else getattr(config, "attention_variant", "standard")
+    return _ATTENTION_MODULES[variant]
+
+
+class PerLayerSelfAttention:
+    """Spec module of models whose layers differ in attention variant
+    (`attention_variant_per_layer`): builds the class of each layer's variant.
+
+    Megatron builds a layer's attention with its global `layer_number` whatever the pipeline
+    layout, so choosing here (rather than by the position of a spec in a stage's list) stays
+    right under PP, virtual PP and custom layouts. The object built is an instance of the chosen
+    class, never of this one."""
+
+    def __new__(cls, config, submodules, layer_number, *args, **kwargs):
+        module = attention_module(config, layer_number)
+        return module(config, submodules, layer_number, *args, **kwargs)
 
 
 def _swap_layer(layer_spec: ModuleSpec, module: type) -> ModuleSpec:
     attention = layer_spec.submodules.self_attention
-    if attention.module not in (SelfAttention, module):
+    if attention.module in (MLASelfAttention, _MLA_MODULES.get(module)):
+        if module not in _MLA_MODULES:
+            raise ValueError(f"{module.__name__} has no multi-latent attention counterpart")
+        module = _MLA_MODULES[module]
+    elif attention.module not in (SelfAttention, module, PerLayerSelfAttention):
+        # Subclasses too (0.19's FusedMLASelfAttention fuses the down-projections with its own
+        # state-dict layout): only the exact classes are known to keep their q/k/v path.
         raise ValueError(
             f"cannot apply an attention variant to {attention.module.__name__}: only Megatron's "
-            "SelfAttention is supported"
+            "SelfAttention and MLASelfAttention are supported"
         )
     submodules = dataclasses.replace(
         layer_spec.submodules, self_attention=dataclasses.replace(attention, module=module)
@@ -73,7 +111,9 @@ def _map_layers(spec, swap):
     return dataclasses.replace(spec, layer_specs=[swapped[id(ls)] for ls in spec.layer_specs])
 
 
-def _check_core_attention(core_attention: str, use_transformer_engine: bool) -> None:
+def _check_core_attention(
+    core_attention: str, use_transformer_engine: bool, multi_latent_attention: bool = False
+) -> None:
     if core_attention not in CORE_ATTENTIONS:
         raise ValueError(
             f"core_attention must be one of {sorted(CORE_ATTENTIONS)}, got {core_attention!r}"
@@ -83,10 +123,17 @@ def _check_core_attention(core_attention: str, use_transformer_engine: bool) -> 
             f"core_attention={core_attention!r} applies to the local spec only "
             "(use_transformer_engine=False); the TE spec uses TEDotProductAttention"
         )
+    if multi_latent_attention and not use_transformer_engine and core_attention == "megatron":
+        raise ValueError(
+            "multi_latent_attention on the local spec needs core_attention='sdpa': Megatron's "
+            "local DotProductAttention does not take MLA's separate q/k and v head sizes"
+        )
 
 
 def _swap_core_attention_of_layer(layer_spec: ModuleSpec, module: type) -> ModuleSpec:
     attention = layer_spec.submodules.self_attention
+    if attention.module in (MLASelfAttention, KHAMLASelfAttention):
+        module = _MLA_CORE_ATTENTIONS.get(module, module)
     current = getattr(attention.submodules, "core_attention", None)
     if current is module:
         return layer_spec
@@ -101,6 +148,38 @@ def _swap_core_attention_of_layer(layer_spec: ModuleSpec, module: type) -> Modul
     )
     submodules = dataclasses.replace(layer_spec.submodules, self_attention=attention)
     return dataclasses.replace(layer_spec, submodules=submodules)
+
+
+def _duplicate_mla_down_projections(layer_spec: ModuleSpec) -> ModuleSpec:
+    attention = layer_spec.submodules.self_attention
+    if attention.module not in (MLASelfAttention, KHAMLASelfAttention):
+        return layer_spec
+    down = {
+        name: DuplicatedLinear
+        for name in ("linear_q_down_proj", "linear_kv_down_proj")
+        if getattr(attention.submodules, name) is ColumnParallelLinear
+    }
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, **down)
+    )
+    submodules = dataclasses.replace(layer_spec.submodules, self_attention=attention)
+    return dataclasses.replace(layer_spec, submodules=submodules)
+
+
+def apply_local_mla_down_projections(
+    spec: Union[ModuleSpec, TransformerBlockSubmodules],
+) -> Union[ModuleSpec, TransformerBlockSubmodules]:
+    """Return `spec` (a local layer or block spec) with MLA's down-projections duplicated on
+    every TP rank, as the TE spec has them (TELinear, "duplicated").
+
+    Megatron's local MLA spec shards them as ColumnParallelLinear and all-gathers their output;
+    that gather's backward keeps each rank's slice of the gradient, so the shared RoPE key's
+    gradient, which every rank computes for its own heads only, is never summed over TP (wrong
+    `linear_kv_down_proj` and input gradients at TP > 1). Duplicated, the key is all-gathered
+    over the sequence (SP) and that gather's backward sums it. Their weights are initialised by
+    torch's `nn.Linear` default rather than `config.init_method`.
+    """
+    return _map_layers(spec, _duplicate_mla_down_projections)
 
 
 def apply_core_attention(
@@ -141,9 +220,10 @@ def get_gpt_layer_spec(
         qk_l2_norm: L2-normalise q and k.
         use_te_op_fuser: TE backend only.
         core_attention: local backend only: `"megatron"` (Megatron's unfused DotProductAttention)
-            or `"sdpa"` (torch's `scaled_dot_product_attention`, same function).
+            or `"sdpa"` (torch's `scaled_dot_product_attention`, same function). MLA needs
+            `"sdpa"` here.
     """
-    _check_core_attention(core_attention, use_transformer_engine)
+    _check_core_attention(core_attention, use_transformer_engine, config.multi_latent_attention)
     # Megatron's builders take None for "dense"; here None means "as the config says".
     num_experts = config.num_moe_experts if num_experts is None else (num_experts or None)
     moe_grouped_gemm = config.moe_grouped_gemm if moe_grouped_gemm is None else moe_grouped_gemm
@@ -169,6 +249,7 @@ def get_gpt_layer_spec(
             **common, normalization=normalization or config.normalization
         )
         spec = apply_core_attention(spec, core_attention)
+        spec = apply_local_mla_down_projections(spec)
     return apply_attention_variant(spec, config)
 
 
@@ -183,8 +264,9 @@ def get_gpt_decoder_block_spec(
 ) -> TransformerBlockSubmodules:
     """Megatron-Core's `get_gpt_decoder_block_spec` (same signature; dense and MoE layers by
     `config.moe_layer_freq`, this pipeline stage's slice) with `config`'s attention variant, and
-    (local backend) the core attention `core_attention` (`"megatron"` or `"sdpa"`)."""
-    _check_core_attention(core_attention, use_transformer_engine)
+    (local backend) the core attention `core_attention` (`"megatron"` or `"sdpa"`; MLA needs
+    `"sdpa"`)."""
+    _check_core_attention(core_attention, use_transformer_engine, config.multi_latent_attention)
     if use_transformer_engine:
         require("transformer_engine", "use_transformer_engine=True")
     spec = mcore_specs.get_gpt_decoder_block_spec(
@@ -197,4 +279,5 @@ def get_gpt_decoder_block_spec(
     )
     if not use_transformer_engine:
         spec = apply_core_attention(spec, core_attention)
+        spec = apply_local_mla_down_projections(spec)
     return apply_attention_variant(spec, config)

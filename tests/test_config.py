@@ -86,7 +86,8 @@ def test_invalid_configuration_raises_value_error_naming_the_field(fields, match
     "feature,extra",
     [
         ("fused_single_qkv_rope", dict(apply_rope_fusion=True)),
-        ("multi_latent_attention", {}),
+        # multi_latent_attention: KHA-Linear is accepted, the rest is refused with its own
+        # reasons (tests/layers/test_kha_mla.py).
         ("flash_decode", {}),
     ],
 )

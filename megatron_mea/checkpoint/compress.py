@@ -43,11 +43,14 @@ _ALL_BUT_FIRST = re.compile(r"^all-but-first-(\d+)$")
 
 
 def select_layers(selection: str, num_layers: int) -> List[int]:
-    """Layer indices (0-based) named by `selection`.
+    """Layer indices (0-based, as Hugging Face numbers `model.layers.N`) named by `selection`.
 
     Args:
-        selection: `all`, `middle-half` (the layers from L/4 to 3L/4), `all-but-first-N`, or a
-            comma-separated list of indices and ranges (`0,3,5-7`).
+        selection: `all`, `paper-half`, `middle-half`, `all-but-first-N`, or a comma-separated
+            list of indices and ranges (`0,3,5-7`). The MEA paper's settings on its 48-layer
+            model are `all`, `paper-half` (layers 11-34) and `all-but-first-3`; `paper-half`
+            keeps that window for other depths: the L/2 layers from L/4 - 1. `middle-half` is
+            the centred window, L/4 to 3L/4 - 1 (12-35 of 48).
         num_layers: L.
     """
     text = selection.strip()
@@ -55,6 +58,9 @@ def select_layers(selection: str, num_layers: int) -> List[int]:
         return list(range(num_layers))
     if text == "middle-half":
         return list(range(num_layers // 4, num_layers - num_layers // 4))
+    if text == "paper-half":
+        start = max(num_layers // 4 - 1, 0)
+        return list(range(start, start + num_layers // 2))
     match = _ALL_BUT_FIRST.match(text)
     if match:
         return list(range(min(int(match.group(1)), num_layers), num_layers))
@@ -63,7 +69,7 @@ def select_layers(selection: str, num_layers: int) -> List[int]:
         bounds = item.strip().split("-")
         if not all(b.strip().isdigit() for b in bounds) or len(bounds) > 2:
             raise ValueError(
-                f"layer selection ({selection!r}) must be 'all', 'middle-half', "
+                f"layer selection ({selection!r}) must be 'all', 'paper-half', 'middle-half', "
                 "'all-but-first-N' or a list such as '0,3,5-7'"
             )
         first, last = int(bounds[0]), int(bounds[-1])
@@ -195,7 +201,8 @@ def compressed_description(
     layers: Optional[Sequence[int]] = None,
 ) -> ModelDescription:
     """The description of the compressed model: MEA with `nc` components in `layers` (default
-    all) and `ng` (an exact reparametrisation) in the others."""
+    all); the others stay standard attention (a baseline source) or MEA with `nc = ng` (an MEA
+    source, an exact reparametrisation)."""
     config = description.transformer_config(meta=True)
     if config.attention_variant == "kha":
         raise ConversionError("KV compression applies to baseline or MEA checkpoints, not KHA")
@@ -205,9 +212,16 @@ def compressed_description(
             f"num_kv_components ({num_components}) must be between 1 and the checkpoint's "
             f"{ng} K/V heads"
         )
-    per_layer = None
+    per_layer = variants = None
     if layers is not None and sorted(layers) != list(range(num_layers)):
         per_layer = [num_components if layer in set(layers) else ng for layer in range(num_layers)]
+        if config.attention_variant == "standard":
+            # As in the paper: the layers left alone stay standard attention (no mixing
+            # matrices, no head norm), not MEA with nc = ng.
+            chosen = set(layers)
+            variants = ["mea" if layer in chosen else "standard" for layer in range(num_layers)]
+    elif config.attention_variant_per_layer is not None:
+        variants = list(config.attention_variant_per_layer)
     if config.attention_variant == "mea":
         head_norm = config.mea_head_norm if mea_head_norm is None else mea_head_norm
     else:
@@ -215,6 +229,7 @@ def compressed_description(
     args = dataclasses.replace(
         description.args,
         attention_variant="mea",
+        attention_variant_per_layer=variants,
         mea_num_kv_components=num_components if per_layer is None else None,
         mea_num_kv_components_per_layer=per_layer,
         mea_mix_init=None,
@@ -243,8 +258,10 @@ def compress_checkpoint(
         save_dir: output root, new or empty: a model-only checkpoint `mea-pretrain --load`
             continues from.
         num_kv_components: nc.
-        layers: layer selection (`select_layers`). The other layers become MEA with `nc = ng`
-            (an exact SVD reparametrisation), recorded in `mea_num_kv_components_per_layer`.
+        layers: layer selection (`select_layers`). The other layers of a baseline checkpoint stay
+            standard attention (`attention_variant_per_layer`); those of an MEA checkpoint stay
+            MEA with `nc = ng` (an exact SVD reparametrisation). The counts are recorded in
+            `mea_num_kv_components_per_layer`.
         mea_head_norm: add (True) or drop (False) the head norm. Default: keep the checkpoint's
             (a baseline has none; adding one changes the function).
         iteration: checkpoint to read. Default: the latest.
@@ -268,7 +285,7 @@ def compress_checkpoint(
 
         def produce():
             for layer, tensors in groups:
-                if layer >= 0:
+                if layer >= 0 and target_config.variant_of(layer + 1) == "mea":
                     tensors = compress_layer(
                         tensors, layer, source_config, target_config.kv_components(layer + 1)
                     )

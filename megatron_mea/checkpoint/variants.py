@@ -60,7 +60,8 @@ def fold_layer(tensors: Dict[str, torch.Tensor], layer: int, config) -> Dict[str
     Returns:
         The tensors of the same layer of the plain model (`nc` -> `ng` K/V heads for MEA).
     """
-    if config.attention_variant == "standard":
+    variant = config.variant_of(layer + 1)
+    if variant == "standard":
         return tensors
     if not foldable(config):
         raise ValueError(
@@ -71,7 +72,7 @@ def fold_layer(tensors: Dict[str, torch.Tensor], layer: int, config) -> Dict[str
     prefix = f"decoder.layers.{layer}.self_attention."
     out = {k: v for k, v in tensors.items() if not is_plugin_param(k)}
     np_, hn = config.num_attention_heads, config.kv_channels
-    if config.attention_variant == "mea":
+    if variant == "mea":
         groups = config.kv_components(layer + 1)
         mix = {k: tensors[f"{prefix}head_mix.{k}_weight"].float() for k in ("key", "value")}
 

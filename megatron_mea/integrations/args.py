@@ -1,53 +1,31 @@
-"""Command-line flags for the plugin's config fields, generated from `MEATransformerConfig`.
+"""Command-line flags for the plugin's config fields, generated from their one declaration.
 
-Every field that `MEATransformerConfig` adds to Megatron's `TransformerConfig` becomes one flag whose
-argparse `dest` is the field name, so Megatron-LM's
-`core_transformer_config_from_args(args, MEATransformerConfig)` (which copies every `args.<name>`
-matching a dataclass field) fills the config with no glue. Nothing here imports `megatron.training`.
+Every field of `megatron_mea.variant.AttentionVariantFields` (the fields `MEATransformerConfig`
+adds to Megatron's `TransformerConfig`) becomes one flag whose argparse `dest` is the field
+name, so Megatron-LM's `core_transformer_config_from_args(args, MEATransformerConfig)` (which
+copies every `args.<name>` matching a dataclass field) fills the config with no glue. Nothing here imports `megatron.training`.
 """
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import typing
 from typing import Literal, Optional
 
-from megatron.core.transformer.transformer_config import TransformerConfig
-
-from megatron_mea.config import MEATransformerConfig
+from megatron_mea.variant import AttentionVariantFields, field_help, fields_of_scope
 
 # Fields that choose how the model runs rather than what it computes: a resumed run may change them,
 # so they are not taken from the checkpoint under --use-checkpoint-args.
-RUNTIME_FIELDS = ("mea_tp_exchange", "kha_fold_linear")
+RUNTIME_FIELDS = fields_of_scope("training")
 
 
-def plugin_fields(config_class: type = MEATransformerConfig) -> list:
-    """The dataclass fields `config_class` adds to `TransformerConfig`, in declaration order."""
-    base = {f.name for f in dataclasses.fields(TransformerConfig)}
-    return [f for f in dataclasses.fields(config_class) if f.name not in base and f.init]
+def plugin_fields() -> list:
+    """The dataclass fields the plugin adds to `TransformerConfig`, in declaration order."""
+    return list(dataclasses.fields(AttentionVariantFields))
 
 
 def flag_name(field_name: str) -> str:
     """`attention_variant` -> `--attention-variant` (Megatron-LM's naming rule)."""
     return "--" + field_name.replace("_", "-")
-
-
-def _field_docstrings(config_class: type) -> dict:
-    """Attribute docstrings (a string literal right after an annotated field) of `config_class`."""
-    tree = ast.parse(inspect.getsource(config_class))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(nxt, ast.Expr)
-            and isinstance(nxt.value, ast.Constant)
-            and isinstance(nxt.value.value, str)
-        ):
-            docs[node.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
-    return docs
 
 
 class _StoreTuple(argparse.Action):
@@ -90,14 +68,13 @@ def add_mea_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     Returns:
         The same parser, as Megatron-LM's `extra_args_provider` contract requires.
     """
-    docs = _field_docstrings(MEATransformerConfig)
-    hints = typing.get_type_hints(MEATransformerConfig)
+    hints = typing.get_type_hints(AttentionVariantFields)
     group = parser.add_argument_group(
         title="megatron_mea", description="MEA / KHA attention variants (megatron_mea plugin)"
     )
     for field in plugin_fields():
         kwargs = _argparse_kwargs(field.name, hints[field.name], field.default)
-        help_text = docs.get(field.name, "")
+        help_text = field_help(field.name)
         group.add_argument(
             flag_name(field.name),
             dest=field.name,

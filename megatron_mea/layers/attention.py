@@ -31,6 +31,41 @@ class _SplitSelfAttention(SelfAttention):
     fold_cache = None  # a FoldCache (layers/fold_cache.py), set by enable_fold_cache
     folds_projection = False  # this layer may run linear_qkv with a folded weight
 
+    def __init__(
+        self,
+        config,
+        submodules,
+        layer_number,
+        attn_mask_type=AttnMaskType.padding,
+        cp_comm_type=None,
+        pg_collection=None,
+        *,
+        projection_config=None,
+        **megatron_kwargs,
+    ):
+        """Megatron's `SelfAttention.__init__`, with the config its submodules are sized from
+        given apart.
+
+        Args:
+            config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection:
+                as Megatron's `SelfAttention`.
+            projection_config: the config Megatron's `__init__` builds `linear_qkv` (and the
+                other submodules) from; `self.config` is `config` afterwards. Default: `config`.
+            megatron_kwargs: what newer Megatron-Core layers also pass (`name`,
+                `pp_layer_offset`).
+        """
+        super().__init__(
+            config if projection_config is None else projection_config,
+            submodules,
+            layer_number,
+            attn_mask_type,
+            cp_comm_type,
+            pg_collection,
+            **megatron_kwargs,
+        )
+        self.config = config
+        self.cp_comm_type = cp_comm_type  # Megatron keeps it only inside the core attention
+
     def _enable_folded_projection(self):
         self.folds_projection = True
         # The folded weight is a computed tensor without `main_grad`: its weight gradient must
@@ -80,26 +115,9 @@ class KHASelfAttention(_SplitSelfAttention):
     """Knocking-heads attention: `knock` transforms Q/K/V right after the split, before the q/k
     norms and RoPE (so KHA-Linear folds into `linear_qkv`)."""
 
-    def __init__(
-        self,
-        config,
-        submodules,
-        layer_number,
-        attn_mask_type=AttnMaskType.padding,
-        cp_comm_type=None,
-        pg_collection=None,
-        **megatron_kwargs,
-    ):
-        # megatron_kwargs: what newer Megatron-Core layers also pass (`name`, `pp_layer_offset`).
-        super().__init__(
-            config,
-            submodules,
-            layer_number,
-            attn_mask_type,
-            cp_comm_type,
-            pg_collection,
-            **megatron_kwargs,
-        )
+    def __init__(self, config, submodules, layer_number, *args, **kwargs):
+        """Arguments as `_SplitSelfAttention`'s (Megatron's `SelfAttention`)."""
+        super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.knock = KnockingHeads(config, self.tp_group)
         if config.kha_fold_linear:
             self._enable_folded_projection()

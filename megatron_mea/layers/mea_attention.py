@@ -13,7 +13,6 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
 )
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.utils import deprecate_inference_params, divide, get_pg_rank
 
@@ -77,30 +76,19 @@ class MEASelfAttention(_SplitSelfAttention):
     Evaluation always projects the components.
     """
 
-    def __init__(
-        self,
-        config,
-        submodules,
-        layer_number,
-        attn_mask_type=AttnMaskType.padding,
-        cp_comm_type=None,
-        pg_collection=None,
-        **megatron_kwargs,
-    ):
-        # megatron_kwargs: what newer Megatron-Core layers also pass (`name`, `pp_layer_offset`).
+    def __init__(self, config, submodules, layer_number, *args, **kwargs):
+        """Arguments as `_SplitSelfAttention`'s (Megatron's `SelfAttention`)."""
         # Megatron sizes linear_qkv from num_query_groups: its submodules are built from the
         # component view; `self.config` is the real one for everything downstream of HLC.
         self.num_components = config.kv_components(layer_number)
         super().__init__(
-            component_view(config, self.num_components),
+            config,
             submodules,
             layer_number,
-            attn_mask_type,
-            cp_comm_type,
-            pg_collection,
-            **megatron_kwargs,
+            *args,
+            projection_config=component_view(config, self.num_components),
+            **kwargs,
         )
-        self.config = config
         self.components_duplicated = self.num_components < self.world_size
         if self.components_duplicated:
             # Megatron's "fewer groups than ranks" sizes assume one group and np/nc query heads
@@ -116,12 +104,17 @@ class MEASelfAttention(_SplitSelfAttention):
                 layer_number=self.layer_number,
                 attn_mask_type=self.attn_mask_type,
                 attention_type=self.attention_type,
-                cp_comm_type=cp_comm_type,
+                cp_comm_type=self.cp_comm_type,
                 softmax_scale=config.softmax_scale,
                 pg_collection=self.pg_collection,
             )
-        self.head_mix = HeadMix(config, self.tp_group, self.num_components)
-        self.exchange = config.mea_tp_exchange
+        # mea_hlc=False (the head-norm-only control, nc == ng): no composition, so nothing to
+        # fold either; the `activations` path then skips the mixing (`mix_heads`).
+        self.head_mix = None
+        self.exchange = "activations"
+        if config.mea_hlc:
+            self.head_mix = HeadMix(config, self.tp_group, self.num_components)
+            self.exchange = config.mea_tp_exchange
         self.exchange_shape = ExchangeShape(
             num_heads=config.num_attention_heads,
             num_groups=config.num_query_groups,
@@ -196,7 +189,10 @@ class MEASelfAttention(_SplitSelfAttention):
         )
 
     def mix_heads(self, key, value):
-        """HLC: component key and value `[s, b, nc_loc, hn]` -> composite `[s, b, ng_loc, hn]`."""
+        """HLC: component key and value `[s, b, nc_loc, hn]` -> composite `[s, b, ng_loc, hn]`
+        (unchanged without HLC, where components are the composites)."""
+        if self.head_mix is None:
+            return key, value
         return self.head_mix(key, value)
 
     def _norm_query(self, query):

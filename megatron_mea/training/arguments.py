@@ -11,16 +11,19 @@ import dataclasses
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import List, Optional, Union
+from typing import List, Literal, Optional, Tuple, Union
 
 import yaml
 
-from megatron_mea.config import ATTENTION_VARIANTS, KHA_VARIANTS, MEA_MIX_INITS, MEA_TP_EXCHANGES
+from megatron_mea.variant import AttentionVariantFields, attribute_docs
 
 
 @dataclass
-class PretrainArgs:
-    """All settings of a pretraining run (defaults: a CPU-sized MoE GPT on mock data)."""
+class PretrainArgs(AttentionVariantFields):
+    """All settings of a pretraining run (defaults: a CPU-sized MoE GPT on mock data).
+
+    The attention-variant flags (`--attention-variant`, `--mea-*`, `--kha-*`) are the fields of
+    `AttentionVariantFields`, inherited."""
 
     # ---- model -------------------------------------------------------------------------------
     num_layers: int = 2
@@ -31,12 +34,16 @@ class PretrainArgs:
     kv_channels: Optional[int] = None
     seq_length: int = 128
     max_position_embeddings: Optional[int] = None
-    normalization: str = "RMSNorm"
+    normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
     qk_layernorm: bool = True
     swiglu: bool = True
     untie_embeddings_and_output_weights: bool = True
-    position_embedding_type: str = "rope"
+    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
     rotary_base: float = 10000.0
+    use_rope_scaling: bool = False
+    """Llama 3.x (`rope_type: llama3`) RoPE frequency scaling, as Megatron-Core implements it."""
+    rope_scaling_factor: float = 8.0
+    """The llama3 scaling `factor` (Megatron-Core fixes its other parameters)."""
     layernorm_epsilon: float = 1e-5
     add_qkv_bias: bool = False
     init_method_std: float = 0.02
@@ -46,21 +53,13 @@ class PretrainArgs:
     moe_layer_freq: Union[int, List[int]] = 1
     """1 in N layers is MoE (an int), or a 0/1 pattern with one entry per layer (a list)."""
     moe_router_pre_softmax: bool = False
-    moe_router_load_balancing_type: str = "aux_loss"
+    moe_router_load_balancing_type: Literal[
+        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
+    ] = "aux_loss"
     moe_aux_loss_coeff: float = 1e-2
-    moe_token_dispatcher_type: str = "alltoall"
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "alltoall"
     moe_grouped_gemm: bool = False
-    # ---- attention variant (MEATransformerConfig fields) --------------------------------------
-    attention_variant: str = "standard"
-    mea_num_kv_components: Optional[int] = None
-    mea_num_kv_components_per_layer: Optional[List[int]] = None
-    mea_mix_init: Optional[str] = None
-    mea_head_norm: bool = True
-    mea_tp_exchange: str = "activations"
-    kha_variant: Optional[str] = None
-    kha_targets: Optional[List[str]] = None
-    kha_fold_linear: bool = False
-    """Fold KHA-Linear into linear_qkv's rows (exact; no per-token matmuls)."""
+    # ---- attention variant: the fields of `megatron_mea.variant.AttentionVariantFields` ------
     no_decay_plugin_matrices: bool = False
     """Exempt head_mix / knock matrices from weight decay (Megatron decays every 2-D param)."""
     # ---- parallelism --------------------------------------------------------------------------
@@ -79,9 +78,12 @@ class PretrainArgs:
     EP / DP layout) instead of Megatron-LM's default `dp_reshardable` (DP changes only)."""
     # ---- precision ----------------------------------------------------------------------------
     bf16: bool = False
-    fp8_format: Optional[str] = None
-    fp8_recipe: str = "delayed"
-    transformer_impl: str = "local"
+    fp8_format: Optional[Literal["e4m3", "hybrid"]] = None
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    core_attention: Literal["megatron", "sdpa"] = "megatron"
+    """Core attention of the local spec: Megatron's unfused DotProductAttention or torch's
+    scaled_dot_product_attention (the same function; transformer_impl=local only)."""
     # ---- optimisation -------------------------------------------------------------------------
     micro_batch_size: int = 4
     global_batch_size: int = 8
@@ -89,7 +91,9 @@ class PretrainArgs:
     lr: float = 1e-3
     min_lr: float = 1e-4
     lr_warmup_fraction: float = 0.05
-    lr_decay_style: str = "cosine"
+    lr_warmup_iters: Optional[int] = None
+    """Warm-up steps; when set, used instead of lr_warmup_fraction (Megatron-LM's flag)."""
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root"] = "cosine"
     weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
@@ -100,7 +104,7 @@ class PretrainArgs:
     data_path: Optional[List[str]] = None
     split: str = "969,30,1"
     mock_data: bool = False
-    tokenizer_type: str = "ByteLevelTokenizer"
+    tokenizer_type: Literal["ByteLevelTokenizer", "HuggingFaceTokenizer"] = "ByteLevelTokenizer"
     tokenizer_model: Optional[str] = None
     vocab_size: Optional[int] = None
     make_vocab_size_divisible_by: int = 128
@@ -126,7 +130,7 @@ class PretrainArgs:
     exit_interval: Optional[int] = None
     """Stop (after saving) once this many iterations have run in this process; for tests and
     preemption drills."""
-    nan_policy: str = "skip"
+    nan_policy: Literal["skip", "stop"] = "skip"
     """On a NaN/Inf loss or grad norm: `skip` the update (data still advances) or `stop` the run,
     keeping the last good checkpoint."""
     nan_max_consecutive_skips: int = 10
@@ -143,6 +147,13 @@ class PretrainArgs:
         return -(-self.vocab_size // multiple) * multiple
 
     @property
+    def warmup_iters(self) -> int:
+        """Learning-rate warm-up steps: `lr_warmup_iters`, else `lr_warmup_fraction` of the run."""
+        if self.lr_warmup_iters is not None:
+            return self.lr_warmup_iters
+        return int(self.lr_warmup_fraction * self.train_iters)
+
+    @property
     def virtual_pipeline_model_parallel_size(self) -> Optional[int]:
         """Model chunks per pipeline rank, derived as Megatron-LM does (None: no interleaving,
         also when these arguments are reused without pipeline parallelism, e.g. for inference)."""
@@ -151,24 +162,6 @@ class PretrainArgs:
         per_stage = self.num_layers // self.pipeline_model_parallel_size
         chunks = per_stage // self.num_layers_per_virtual_pipeline_stage
         return chunks if chunks > 1 else None
-
-
-_CHOICES = {
-    "attention_variant": ATTENTION_VARIANTS,
-    "mea_mix_init": MEA_MIX_INITS,
-    "mea_tp_exchange": MEA_TP_EXCHANGES,
-    "kha_variant": KHA_VARIANTS,
-    "normalization": ("LayerNorm", "RMSNorm"),
-    "position_embedding_type": ("rope", "learned_absolute", "none"),
-    "lr_decay_style": ("constant", "linear", "cosine", "inverse-square-root"),
-    "transformer_impl": ("local", "transformer_engine"),
-    "moe_token_dispatcher_type": ("allgather", "alltoall"),
-    "moe_router_load_balancing_type": ("aux_loss", "seq_aux_loss", "global_aux_loss", "none"),
-    "tokenizer_type": ("ByteLevelTokenizer", "HuggingFaceTokenizer"),
-    "fp8_format": ("e4m3", "hybrid"),
-    "fp8_recipe": ("delayed", "tensorwise", "blockwise", "mxfp8"),
-    "nan_policy": ("skip", "stop"),
-}
 
 
 def _layer_pattern(value):
@@ -192,13 +185,18 @@ _CUSTOM_TYPES = {"moe_layer_freq": _layer_pattern}
 
 
 def _base_type(annotation):
-    """(python type, is_list) of a field annotation such as Optional[List[str]]."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if typing.get_origin(annotation) is typing.Union:
+    """(python type, is_list, choices) of a field annotation such as Optional[List[str]],
+    Optional[Tuple[int, ...]] or Literal["a", "b"] (choices: the Literal's values, else None)."""
+    args = [a for a in typing.get_args(annotation) if a not in (type(None), Ellipsis)]
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union:
         return _base_type(args[0])
-    if typing.get_origin(annotation) in (list, List):
-        return args[0], True
-    return annotation, False
+    if origin in (list, List, tuple, Tuple):
+        kind, _, choices = _base_type(args[0])
+        return kind, True, choices
+    if origin is Literal:
+        return type(args[0]), False, tuple(args)
+    return annotation, False, None
 
 
 # Extra spellings Megatron-LM accepts for some flags.
@@ -221,22 +219,28 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="YAML file of flag: value pairs (flags override it)")
+    docs = {**attribute_docs(AttentionVariantFields), **attribute_docs(PretrainArgs)}
     for f in dataclasses.fields(PretrainArgs):
+        help_text = docs.get(f.name, "").replace("%", "%%") or None
         if f.name in _CUSTOM_TYPES:
-            parser.add_argument(_flag(f.name), dest=f.name, type=_CUSTOM_TYPES[f.name])
+            parser.add_argument(
+                _flag(f.name), dest=f.name, type=_CUSTOM_TYPES[f.name], help=help_text
+            )
             continue
-        kind, is_list = _base_type(f.type)
+        kind, is_list, choices = _base_type(f.type)
         if kind is bool and f.name.startswith("no_"):
             # `--no-load-optim` and the like are switches (BooleanOptionalAction would read the
             # leading "no-" as a negation and store False).
-            parser.add_argument(_flag(f.name), dest=f.name, action="store_true")
+            parser.add_argument(_flag(f.name), dest=f.name, action="store_true", help=help_text)
             continue
         if kind is bool:
-            parser.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction)
+            parser.add_argument(
+                _flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_text
+            )
             for alias in _ALIASES.get(f.name, ()):
                 parser.add_argument(alias, dest=f.name, action="store_true")
             continue
-        kwargs = dict(dest=f.name, type=kind, choices=_CHOICES.get(f.name))
+        kwargs = dict(dest=f.name, type=kind, choices=choices, help=help_text)
         if is_list:
             kwargs["nargs"] = "+"
         parser.add_argument(_flag(f.name), **kwargs)
@@ -245,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _coerce(name: str, value, annotation):
     """Type-check one YAML value; raise ValueError naming the key."""
-    kind, is_list = _base_type(annotation)
+    kind, is_list, choices = _base_type(annotation)
     if value is None:
         return None
     if is_list:
@@ -284,9 +288,6 @@ def parse_args(argv: Optional[List[str]] = None) -> PretrainArgs:
     namespace = vars(build_parser().parse_args(argv))
     values = load_yaml(namespace.pop("config")) if "config" in namespace else {}
     values.update(namespace)
-    for name, choices in _CHOICES.items():
-        if values.get(name) is not None and values[name] not in choices:
-            raise ValueError(f"{name} ({values[name]!r}) must be one of {choices}")
     args = PretrainArgs(**values)
     validate(args)
     return args
@@ -295,6 +296,7 @@ def parse_args(argv: Optional[List[str]] = None) -> PretrainArgs:
 def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
     """Check everything that can be checked before launch; ValueError names the flag."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    _validate_choices(args)
     model_parallel = (
         args.tensor_model_parallel_size
         * args.pipeline_model_parallel_size
@@ -346,12 +348,22 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
         raise ValueError("save_interval needs save (a checkpoint directory)")
     if not 0.0 <= args.lr_warmup_fraction < 1.0:
         raise ValueError(f"lr_warmup_fraction ({args.lr_warmup_fraction}) must be in [0, 1)")
+    if args.lr_warmup_iters is not None and not 0 <= args.lr_warmup_iters < args.train_iters:
+        raise ValueError(
+            f"lr_warmup_iters ({args.lr_warmup_iters}) must be in [0, train_iters "
+            f"({args.train_iters}))"
+        )
     if args.min_lr > args.lr:
         raise ValueError(f"min_lr ({args.min_lr}) must not exceed lr ({args.lr})")
     if args.context_parallel_size > 1 and args.transformer_impl != "transformer_engine":
         raise ValueError(
             f"context_parallel_size ({args.context_parallel_size}) > 1 needs "
             "transformer_impl=transformer_engine (Megatron's local attention has no CP)"
+        )
+    if args.core_attention != "megatron" and args.transformer_impl != "local":
+        raise ValueError(
+            f"core_attention ({args.core_attention!r}) needs transformer_impl=local (the "
+            "Transformer Engine spec uses TE's own core attention)"
         )
     if args.fp8_format and args.transformer_impl != "transformer_engine":
         raise ValueError("fp8_format needs transformer_impl=transformer_engine")
@@ -363,6 +375,18 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
     from megatron_mea.training.model import transformer_config
 
     transformer_config(args, world_size=world_size)
+
+
+def _validate_choices(args: PretrainArgs) -> None:
+    """Every field typed with a `Literal` (or a list of them) holds one of its values."""
+    for f in dataclasses.fields(PretrainArgs):
+        _, is_list, choices = _base_type(f.type)
+        value = getattr(args, f.name)
+        if choices is None or value is None:
+            continue
+        for item in value if is_list else (value,):
+            if item not in choices:
+                raise ValueError(f"{f.name} ({item!r}) must be one of {choices}")
 
 
 def _validate_virtual_pipeline(args: PretrainArgs, num_microbatches: int) -> None:
@@ -406,6 +430,10 @@ def save_config(args: PretrainArgs, directory: str) -> str:
     path = os.path.join(directory, "config.yaml")
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(dataclasses.asdict(args), handle, sort_keys=False)
+        values = {
+            name: list(value) if isinstance(value, tuple) else value
+            for name, value in dataclasses.asdict(args).items()
+        }
+        yaml.safe_dump(values, handle, sort_keys=False)
     os.replace(tmp, path)
     return path

@@ -13,6 +13,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mea import MEATransformerConfig, get_gpt_decoder_block_spec
 from megatron_mea.training.arguments import PretrainArgs
+from megatron_mea.variant import variant_settings
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +65,7 @@ def transformer_config(args: PretrainArgs, world_size: int = 1) -> MEATransforme
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=on_gpu,
-        attention_variant=args.attention_variant,
-        mea_num_kv_components=args.mea_num_kv_components,
-        mea_num_kv_components_per_layer=(
-            tuple(args.mea_num_kv_components_per_layer)
-            if args.mea_num_kv_components_per_layer
-            else None
-        ),
-        mea_mix_init=args.mea_mix_init,
-        mea_head_norm=args.mea_head_norm,
-        mea_tp_exchange=args.mea_tp_exchange,
-        kha_variant=args.kha_variant,
-        kha_targets=tuple(args.kha_targets) if args.kha_targets else None,
-        kha_fold_linear=args.kha_fold_linear,
+        **variant_settings(args),
     )
     if args.num_experts:
         fields.update(
@@ -99,7 +88,9 @@ def build_model(
     """The GPT model of this pipeline stage (of its model chunk `vp_stage` with virtual pipeline
     stages), with the plugin's block spec."""
     use_te = args.transformer_impl == "transformer_engine"
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, vp_stage=vp_stage)
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, vp_stage=vp_stage, core_attention=args.core_attention
+    )
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -110,6 +101,8 @@ def build_model(
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
     if torch.cuda.is_available():
@@ -155,8 +148,8 @@ def build_optimizer(args: PretrainArgs, model_chunks):
 
 
 def build_scheduler(args: PretrainArgs, optimizer) -> OptimizerParamScheduler:
-    """Linear warm-up over `lr_warmup_fraction` of the run, then decay to `min_lr` (in steps)."""
-    warmup = int(args.lr_warmup_fraction * args.train_iters)
+    """Linear warm-up over `args.warmup_iters` steps, then decay to `min_lr` (in steps)."""
+    warmup = args.warmup_iters
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,

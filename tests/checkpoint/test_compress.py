@@ -37,6 +37,12 @@ def test_layer_selection(selection, expected):
     assert select_layers(selection, 8) == expected
 
 
+def test_paper_half_is_the_mea_papers_window():
+    # The MEA paper's half setting on its 48-layer model: Hugging Face layers 11-34 (0-based).
+    assert select_layers("paper-half", 48) == list(range(11, 35))
+    assert select_layers("paper-half", 8) == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("selection", ["half", "8", "2-x", "1,,2"])
 def test_bad_layer_selection_is_refused(selection):
     with pytest.raises(ValueError, match="layer"):
@@ -126,8 +132,12 @@ def test_compressing_a_subset_of_layers_keeps_the_others_exact(checkpoints, tmp_
     out = str(tmp_path / "last-only")
     target = compress_checkpoint(source, out, 2, layers="all-but-first-1")
     assert target.args.mea_num_kv_components_per_layer == [4, 2]
+    # As in the paper, the uncompressed layer of a baseline stays standard attention.
+    assert list(target.args.attention_variant_per_layer) == ["standard", "mea"]
     _, groups = read_checkpoint(out)
     layers = dict(groups)
+    assert not any(".self_attention.head_" in name for name in layers[0])
+    assert "decoder.layers.1.self_attention.head_mix.key_weight" in layers[1]
     rows = lambda t, i: t[f"decoder.layers.{i}.self_attention.linear_qkv.weight"].shape[0]  # noqa: E731
     assert rows(layers[0], 0) == (8 + 2 * 4) * 8 and rows(layers[1], 1) == (8 + 2 * 2) * 8
     ids = tokens()
