@@ -1,26 +1,35 @@
 """Hugging Face `config.json` <-> the Megatron model description (`PretrainArgs` + overrides).
 
 Import refuses what the Megatron model cannot compute the same way (another activation, RoPE
-scaling, sliding windows, biases Megatron does not have), naming the config field. Export
-rebuilds the family's config: from the imported `config.json` when there is one (checked
-against the Megatron model), otherwise from the model's sizes.
+scaling other than Megatron's llama3 form, sliding windows, biases Megatron does not have),
+naming the config field. Export rebuilds the family's config: from the imported `config.json`
+when there is one (checked against the Megatron model), otherwise from the model's sizes.
+
+Vocabulary: the embedding and output rows are padded to a multiple of
+`make_vocab_size_divisible_by` (128 by default, as Megatron-LM), recorded with the true
+`vocab_size` in `config.yaml`; export strips the padding rows again.
 """
 
 import dataclasses
+import inspect
 import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron_mea.checkpoint.hf_families import FAMILIES, Family, family
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
 from megatron_mea.training.arguments import PretrainArgs
+from megatron_mea.variant import fields_of_scope
 
 NATIVE_PREFIX = "megatron_mea_"
 _ARG_FIELDS = {f.name for f in dataclasses.fields(PretrainArgs)}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-VARIANT_FIELDS = ("attention_variant", "mea_num_kv_components", "mea_head_norm", "kha_variant",
-                  "kha_targets")
+# The variant fields a native `megatron_mea_*` config.json carries (resolved, never None where
+# they apply): the model-scope fields of `megatron_mea.variant`, less the per-layer ones (a
+# native export has one setting for all layers).
+VARIANT_FIELDS = tuple(name for name in fields_of_scope("model") if not name.endswith("_per_layer"))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -34,19 +43,82 @@ def split_model_type(model_type: str) -> Tuple[Family, bool]:
     return family(model_type[len(NATIVE_PREFIX):] if native else model_type), native
 
 
-def _rope_theta(config) -> float:
+# Megatron-LM's default padding multiple. Every power-of-two TP size up to 128 divides it, so a
+# checkpoint keeps the same rows at any of them (PretrainArgs pads without the TP factor).
+VOCAB_MULTIPLE = 128
+# Megatron-Core's llama3 RoPE scaling takes only `factor`; the other parameters are the
+# defaults of `RotaryEmbedding._apply_scaling` (read there, so a release that changes them is
+# followed): low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192.
+_FIXED = inspect.signature(RotaryEmbedding._apply_scaling).parameters
+LLAMA3_FIXED = dict(
+    low_freq_factor=float(_FIXED["low_freq_factor"].default),
+    high_freq_factor=float(_FIXED["high_freq_factor"].default),
+    original_max_position_embeddings=_FIXED["original_max_position_embeddings"].default,
+)
+
+
+def rope_settings(config) -> Tuple[float, Optional[float]]:
+    """(rope_theta, llama3 scaling factor or None) of an HF config.
+
+    Raises:
+        ConversionError: a RoPE type other than default / llama3, or a llama3 parameter that
+            Megatron fixes at another value.
+    """
     parameters = getattr(config, "rope_parameters", None)
-    if parameters:
-        rope_type = parameters.get("rope_type", parameters.get("type", "default"))
-        if rope_type != "default":
+    if not parameters:  # configs written before transformers 5: separate fields
+        parameters = dict(getattr(config, "rope_scaling", None) or {},
+                          rope_theta=getattr(config, "rope_theta", 10000.0))
+    rope_type = parameters.get("rope_type", parameters.get("type", "default"))
+    theta = float(parameters["rope_theta"])
+    if parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ConversionError(
+            f"rope_parameters.partial_rotary_factor ({parameters['partial_rotary_factor']!r}) is "
+            "not supported: mea-pretrain rotates every channel of a head"
+        )
+    if rope_type == "default":
+        return theta, None
+    if rope_type != "llama3":
+        raise ConversionError(
+            f"rope_parameters.rope_type ({rope_type!r}) is not supported: Megatron's RoPE "
+            "scales frequencies the llama3 way only"
+        )
+    for name, fixed in LLAMA3_FIXED.items():
+        if parameters.get(name) != fixed:
             raise ConversionError(
-                f"rope_parameters.rope_type ({rope_type!r}) is not supported: Megatron's model "
-                "here applies plain RoPE (rope scaling is not wired through mea-pretrain)"
+                f"rope_parameters.{name} ({parameters.get(name)!r}) is not supported: Megatron's "
+                f"llama3 RoPE scaling fixes it at {fixed!r} (only factor is configurable)"
             )
-        return float(parameters["rope_theta"])
-    if getattr(config, "rope_scaling", None):
-        raise ConversionError(f"rope_scaling ({config.rope_scaling!r}) is not supported")
-    return float(getattr(config, "rope_theta", 10000.0))
+    return theta, float(parameters["factor"])
+
+
+def rope_parameters(args: PretrainArgs, theta: float) -> Dict:
+    """The HF `rope_parameters` of a model with `args`' RoPE settings (inverse of
+    `rope_settings`)."""
+    if not args.use_rope_scaling:
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": args.rope_scaling_factor,
+            **LLAMA3_FIXED}
+
+
+def vocab_multiple(requested: Optional[int], tp: int) -> int:
+    """The padding multiple of the vocabulary at import (see `VOCAB_MULTIPLE`).
+
+    Args:
+        requested: the user's multiple, or None for the default: `VOCAB_MULTIPLE` (its least
+            common multiple with a TP size that does not divide it).
+        tp: the tensor-parallel size recorded in the checkpoint's arguments.
+
+    Raises:
+        ConversionError: `requested` is not a multiple of `tp` (the rows would not split).
+    """
+    if requested is None:
+        return math.lcm(VOCAB_MULTIPLE, tp)
+    if requested < 1 or requested % tp:
+        raise ConversionError(
+            f"make_vocab_size_divisible_by ({requested}) must be a positive multiple of "
+            f"tensor_model_parallel_size ({tp})"
+        )
+    return requested
 
 
 def _refuse(config, name: str, allowed, why: str) -> None:
@@ -82,7 +154,7 @@ def check_supported(fam: Family, config) -> None:
                 f"{name} ({getattr(config, name)!r}) is not supported: sliding-window attention "
                 "is not wired through mea-pretrain"
             )
-    _rope_theta(config)
+    rope_settings(config)
     if config.num_attention_heads % config.num_key_value_heads:
         raise ConversionError(
             f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
@@ -97,41 +169,49 @@ def _head_dim(config) -> int:
 def description_from_hf(
     config,
     *,
-    attention_variant: str = "standard",
-    mea_head_norm: bool = False,
-    kha_variant: Optional[str] = None,
-    kha_targets: Optional[List[str]] = None,
     dtype: Optional[torch.dtype] = None,
     make_vocab_size_divisible_by: Optional[int] = None,
     tokenizer_dir: Optional[str] = None,
     parallel: Optional[Dict[str, int]] = None,
+    **variant,
 ) -> ModelDescription:
     """The Megatron model of an HF config (a transformers config object).
 
     Args:
         config: the HF config (a native `megatron_mea_*` config keeps its variant fields).
-        attention_variant, mea_head_norm, kha_variant, kha_targets: the variant to upcycle to
-            (ignored for native configs, which say it themselves).
+        variant: the variant to upcycle to, as `VARIANT_FIELDS` keywords (`attention_variant`,
+            `mea_head_norm`, `mea_hlc`, `kha_variant`, `kha_targets`, ...); ignored for native
+            configs, which say it themselves. The head norm is off unless asked for: even at
+            scale 1 it changes the function.
         dtype: parameter dtype. Default: bfloat16 if the config says so, else float32.
-        make_vocab_size_divisible_by: Megatron pads the vocabulary to a multiple of this. Default:
-            the largest power of two up to 128 that divides the vocabulary (no padding rows).
+        make_vocab_size_divisible_by: Megatron pads the vocabulary to a multiple of this (zero
+            rows; `vocab_size` keeps the HF size). Default: 128 (`vocab_multiple`).
         tokenizer_dir: recorded as the run's HuggingFaceTokenizer model.
         parallel: PretrainArgs parallel sizes to record (e.g. tensor_model_parallel_size).
     """
     fam, native = split_model_type(config.model_type)
     check_supported(fam, config)
+    unknown = sorted(set(variant) - set(VARIANT_FIELDS))
+    if unknown:
+        raise TypeError(f"description_from_hf: unknown variant settings {unknown}")
+    variant = {"attention_variant": "standard", "mea_head_norm": False, **variant}
     if native:
-        attention_variant = getattr(config, "attention_variant", "mea")
-        mea_head_norm = getattr(config, "mea_head_norm", True)
-        kha_variant = getattr(config, "kha_variant", None)
-        kha_targets = getattr(config, "kha_targets", None)
-    vocab = config.vocab_size
-    if make_vocab_size_divisible_by is None:
-        make_vocab_size_divisible_by = math.gcd(vocab, 128)
+        variant = {name: getattr(config, name, None) for name in VARIANT_FIELDS}
+        missing = [name for name, value in variant.items() if value is None
+                   and name in ("attention_variant", "mea_head_norm", "mea_hlc")]
+        if missing:
+            raise ConversionError(
+                f"{config.model_type} config.json lacks {', '.join(missing)} (a native export "
+                "writes every variant field)"
+            )
+    if variant.get("kha_targets") is not None:
+        variant["kha_targets"] = list(variant["kha_targets"])
+    tp = (parallel or {}).get("tensor_model_parallel_size") or 1
+    make_vocab_size_divisible_by = vocab_multiple(make_vocab_size_divisible_by, tp)
     if dtype is None:
         saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         dtype = torch.bfloat16 if str(saved).endswith("bfloat16") else torch.float32
-    theta = _rope_theta(config)
+    theta, scaling = rope_settings(config)
     moe_layers = moe_layer_pattern(fam, config)
     fields = dict(
         num_layers=config.num_hidden_layers,
@@ -148,15 +228,13 @@ def description_from_hf(
         untie_embeddings_and_output_weights=not getattr(config, "tie_word_embeddings", False),
         position_embedding_type="rope",
         rotary_base=int(theta) if theta.is_integer() else theta,
+        use_rope_scaling=scaling is not None,
+        rope_scaling_factor=scaling or PretrainArgs.rope_scaling_factor,
         init_method_std=getattr(config, "initializer_range", 0.02),
         num_experts=None,
-        attention_variant=attention_variant,
-        mea_num_kv_components=getattr(config, "mea_num_kv_components", None) if native else None,
-        mea_head_norm=bool(mea_head_norm),
-        kha_variant=kha_variant,
-        kha_targets=list(kha_targets) if kha_targets else None,
+        **variant,
         bf16=dtype == torch.bfloat16,
-        vocab_size=vocab,
+        vocab_size=config.vocab_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         layernorm_epsilon=config.rms_norm_eps,
         add_qkv_bias=fam.add_qkv_bias,
@@ -252,7 +330,7 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
     )
     template.pop("rope_theta", None)
     template.pop("rope_scaling", None)
-    template["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    template["rope_parameters"] = rope_parameters(args, theta)
     if fam.moe is not None:
         pattern = config.moe_layer_freq
         if isinstance(pattern, int):

@@ -38,6 +38,7 @@ from megatron_mea.checkpoint.megatron_io import (
 )
 from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
 from megatron_mea.checkpoint.variants import fold_layer, foldable
+from megatron_mea.variant import variant_settings
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +103,13 @@ def _build_config(fam, fields: dict, config, fmt: str):
         from megatron_mea.hf import CONFIGS, MODELS  # registers the native model types
 
         model_type = NATIVE_PREFIX + fam.name
-        variant = dict(attention_variant=config.attention_variant)
-        if config.attention_variant == "mea":
-            variant.update(mea_num_kv_components=config.mea_num_kv_components,
-                           mea_head_norm=bool(config.mea_head_norm))
-        else:
-            variant.update(kha_variant=config.kha_variant, kha_targets=list(config.kha_targets))
+        # Every variant field, as the config resolved it: the modeling code has no defaults of
+        # its own to disagree with.
+        variant = {
+            name: list(value) if isinstance(value, tuple) else value
+            for name, value in variant_settings(config, scopes=("model",)).items()
+            if name in VARIANT_FIELDS
+        }
         fields = dict(fields, architectures=[MODELS[model_type].__name__], **variant)
         native = CONFIGS[model_type](**fields)
     except Exception as exc:  # transformers' validators raise their own error types
@@ -174,11 +176,12 @@ def export_hf_checkpoint(
         description.hf_config = reference_fields
     config = description.transformer_config(meta=True)
     fmt = choose_format(config, format)
-    if fmt == "native" and getattr(config, "mea_num_kv_components_per_layer", None) is not None:
-        raise ConversionError(
-            "mea_num_kv_components_per_layer: a native export has one component count for all "
-            "layers; export without the head norm (folded to plain q/k/v) or compress all layers"
-        )
+    for name in ("mea_num_kv_components_per_layer", "attention_variant_per_layer"):
+        if fmt == "native" and getattr(config, name, None) is not None:
+            raise ConversionError(
+                f"{name}: a native export has one setting for all layers; export without the "
+                "head norm (folded to plain q/k/v) or compress all layers"
+            )
     fam, fields = hf_config_dict(description)
     if reference_fields:
         _check_reference(reference, reference_fields, fields)

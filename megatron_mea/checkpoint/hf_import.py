@@ -99,13 +99,9 @@ def import_hf_checkpoint(
     hf_dir: str,
     save_dir: str,
     *,
-    attention_variant: str = "standard",
-    mea_head_norm: bool = False,
-    kha_variant: Optional[str] = None,
-    kha_targets: Optional[List[str]] = None,
     dtype: Optional[torch.dtype] = None,
-    make_vocab_size_divisible_by: Optional[int] = None,
     parallel: Optional[Dict[str, int]] = None,
+    **model_options,
 ) -> ModelDescription:
     """Convert the HF checkpoint in `hf_dir` into a Megatron checkpoint under `save_dir`.
 
@@ -114,14 +110,13 @@ def import_hf_checkpoint(
             or one of our native MEA / KHA exports.
         save_dir: output root, new or empty (`iter_0000000/`, tracker, `config.yaml`,
             `conversion.json`); written under a temporary name and renamed at the end.
-        attention_variant: "standard", "mea" (identity mixing, nc = ng) or "kha" (identity).
-        mea_head_norm: MEA: add the head norm (scale 1; it changes the function, unlike the
-            other upcycled parameters). Default: False.
-        kha_variant, kha_targets: KHA settings (defaults as in `MEATransformerConfig`).
         dtype: parameter dtype of the checkpoint. Default: the HF config's (bf16 or fp32).
-        make_vocab_size_divisible_by: see `description_from_hf`.
         parallel: parallel sizes to record in `config.yaml` (validated against the model), e.g.
             `{"tensor_model_parallel_size": 2}`; the checkpoint itself loads at any layout.
+        model_options: `description_from_hf`'s: the variant to upcycle to (`attention_variant`
+            "standard", "mea" with identity mixing and nc = ng, or "kha" with identity
+            transforms; `mea_head_norm` adds the head norm with scale 1, which changes the
+            function; `kha_variant`, `kha_targets`) and `make_vocab_size_divisible_by`.
 
     Returns:
         The description of the written model.
@@ -136,14 +131,10 @@ def import_hf_checkpoint(
     _, native = split_model_type(config.model_type)
     description = description_from_hf(
         config,
-        attention_variant=attention_variant,
-        mea_head_norm=mea_head_norm,
-        kha_variant=kha_variant,
-        kha_targets=kha_targets,
         dtype=dtype,
-        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
         tokenizer_dir=os.path.abspath(hf_dir) if has_tokenizer(hf_dir) else None,
         parallel=parallel,
+        **model_options,
     )
     description.source = os.path.abspath(hf_dir)
     dtype = torch.bfloat16 if description.args.bf16 else torch.float32

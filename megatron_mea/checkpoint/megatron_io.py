@@ -53,14 +53,18 @@ class ConversionError(ValueError):
     """A checkpoint or model that cannot be converted as asked; the message names the tensor."""
 
 
-# The layout the converters use: one process, Megatron's local modules, no FP8.
-SINGLE_PROCESS_LAYOUT = dict(
-    tensor_model_parallel_size=1,
+# Every parallel dimension but TP at size 1 (the converters' layout and inference's).
+UNSHARDED_BUT_TP = dict(
     pipeline_model_parallel_size=1,
     expert_model_parallel_size=1,
     expert_tensor_parallel_size=None,
     context_parallel_size=1,
     sequence_parallel=False,
+)
+# The layout the converters use: one process, Megatron's local modules, no FP8.
+SINGLE_PROCESS_LAYOUT = dict(
+    UNSHARDED_BUT_TP,
+    tensor_model_parallel_size=1,
     transformer_impl="local",
     moe_grouped_gemm=False,
     fp8_format=None,
@@ -186,17 +190,25 @@ class _AllOnMeta(TorchFunctionMode):
 def meta_model(description: ModelDescription) -> GPTModel:
     """The TP=1 model of `description` on the meta device (no memory for its weights)."""
     config = description.transformer_config(meta=True)
-    args = description.args
     with torch.device("meta"), _AllOnMeta():
         return GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-            vocab_size=args.padded_vocab_size,
-            max_sequence_length=args.max_position_embeddings or args.seq_length,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            position_embedding_type=args.position_embedding_type,
-            rotary_base=args.rotary_base,
+            **_model_sizes(description.args),
         )
+
+
+def _model_sizes(args: PretrainArgs) -> Dict:
+    """`GPTModel` arguments besides the config and the spec: vocabulary, positions, RoPE."""
+    return dict(
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        rope_scaling=args.use_rope_scaling,
+        rope_scaling_factor=args.rope_scaling_factor,
+    )
 
 
 def layer_of(name: str) -> int:
@@ -259,11 +271,7 @@ def build_model(description: ModelDescription, **parallel) -> GPTModel:
     return GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=use_te),
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings or args.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
+        **_model_sizes(args),
     )

@@ -33,6 +33,7 @@ import sys
 import torch
 
 from megatron_mea.cpu import megatron_on_cpu
+from megatron_mea.variant import choices, field_help
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -117,15 +118,21 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--hf-dir", required=True,
                      help="HF model directory (config.json + safetensors)")
     imp.add_argument("--save", required=True, help="output checkpoint directory (new or empty)")
-    imp.add_argument("--attention-variant", choices=("standard", "mea", "kha"), default="standard")
+    # The variant to upcycle to; names and choices from megatron_mea.variant. The head norm is off
+    # by default here: even at scale 1 it changes the function of the imported model.
+    imp.add_argument("--attention-variant", choices=choices("attention_variant"),
+                     default="standard")
     imp.add_argument("--mea-head-norm", action="store_true",
                      help="MEA: add the head norm (scale 1; changes the function). Default: off")
-    imp.add_argument("--kha-variant", choices=("linear", "mlp"), default=None)
-    imp.add_argument("--kha-targets", nargs="+", choices=("q", "k", "v"), default=None)
+    imp.add_argument("--kha-variant", choices=choices("kha_variant"), default=None,
+                     help=field_help("kha_variant"))
+    imp.add_argument("--kha-targets", nargs="+", choices=choices("kha_targets"), default=None,
+                     help=field_help("kha_targets"))
     imp.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                      help="checkpoint dtype. Default: the HF config's (bf16 or fp32)")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
-                     help="pad the vocabulary to a multiple of this. Default: no padding")
+                     help="pad the vocabulary to a multiple of this (a multiple of the "
+                          "TP size). Default: 128")
     for name in ("tensor-model-parallel-size", "pipeline-model-parallel-size",
                  "expert-model-parallel-size"):
         imp.add_argument(f"--{name}", type=int, default=None,
@@ -150,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--load", required=True, help="baseline or MEA checkpoint directory")
         sub.add_argument("--num-kv-components", type=int, required=True, help="nc")
         sub.add_argument("--layers", default="all",
-                         help="all | middle-half | all-but-first-N | 0,3,5-7. Default: all")
+                         help="all | paper-half | middle-half | all-but-first-N | 0,3,5-7 "
+                              "(0-based, as Hugging Face numbers layers; the MEA paper's "
+                              "settings: all, paper-half, all-but-first-3). Default: all")
         sub.add_argument("--iteration", type=int, default=None, help="default: the latest")
         if name == "compress":
             sub.add_argument("--save", required=True,

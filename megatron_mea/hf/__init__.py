@@ -13,11 +13,11 @@ without installing megatron_mea.
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from megatron_mea.hf.configuration_megatron_mea import CONFIGS, VARIANT_DEFAULTS
+from megatron_mea.hf.configuration_megatron_mea import CONFIGS
 from megatron_mea.hf.modeling_megatron_mea import MODELS, VariantAttention
 
 for _model_type, _config in CONFIGS.items():
     AutoConfig.register(_model_type, _config, exist_ok=True)
     AutoModelForCausalLM.register(_config, MODELS[_model_type], exist_ok=True)
 
-__all__ = ["CONFIGS", "MODELS", "VARIANT_DEFAULTS", "VariantAttention"]
+__all__ = ["CONFIGS", "MODELS", "VariantAttention"]

@@ -3,12 +3,10 @@
 Self-contained (imports only transformers), so that it can be copied next to an exported
 checkpoint and loaded with `trust_remote_code=True`.
 
-Variant fields (same names and meaning as `megatron_mea.MEATransformerConfig`):
-    attention_variant: "mea" or "kha".
-    mea_num_kv_components: nc, the component K/V heads `k_proj` / `v_proj` produce (default
-        num_key_value_heads).
-    mea_head_norm: RMS-normalise each query head's attention output before `o_proj`.
-    kha_variant: "linear" or "mlp"; kha_targets: transformed heads, e.g. ["q", "k", "v"].
+Variant fields: the model-scope fields of `megatron_mea.variant.AttentionVariantFields` (same
+names and meaning; `mea-convert export-hf` writes all of them, resolved), e.g.
+`attention_variant`, `mea_num_kv_components`, `mea_hlc`, `mea_head_norm`, `kha_variant`,
+`kha_targets`. There are no defaults here: a config without them is refused by the modeling code.
 """
 
 from transformers import (
@@ -17,14 +15,6 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
-)
-
-VARIANT_DEFAULTS = dict(
-    attention_variant="mea",
-    mea_num_kv_components=None,
-    mea_head_norm=True,
-    kha_variant=None,
-    kha_targets=None,
 )
 
 

@@ -5,7 +5,8 @@ Each class is the stock family model (Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral) w
 `q_norm` / `k_norm`) plus the plugin's parameters under the names Megatron uses
 (`self_attn.head_mix.key_weight`, `self_attn.head_norm.weight`, `self_attn.knock.v_up`...).
 The order of operations is Megatron's: split -> KHA -> q/k norm, MEA mixing -> k norm
--> RoPE -> attention -> head norm -> `o_proj`.
+-> RoPE -> attention -> head norm -> `o_proj`. RoPE is the stock model's rotary embedding, built
+from `config.rope_parameters` (llama3 frequency scaling included).
 
 KV cache. With MEA virtual heads (`nc < ng`) the cache holds what `nc` components need, so
 `generate` keeps `nc/ng` of the baseline's K/V: per layer and token, keys `RoPE(w * k_c)` (`w`
@@ -40,7 +41,6 @@ from transformers.models.llama.modeling_llama import (
 )
 
 from .configuration_megatron_mea import (
-    VARIANT_DEFAULTS,
     MegatronMEALlamaConfig,
     MegatronMEAMixtralConfig,
     MegatronMEAQwen2Config,
@@ -50,9 +50,15 @@ from .configuration_megatron_mea import (
 
 
 def variant_setting(config, name):
-    """A variant field of `config`, or its default."""
+    """Variant field `name` of `config`. `mea-convert export-hf` writes every field resolved, so
+    there are no defaults here to disagree with the training config's."""
     value = getattr(config, name, None)
-    return VARIANT_DEFAULTS[name] if value is None else value
+    if value is None:
+        raise ValueError(
+            f"{type(config).__name__} has no {name}: a native config.json carries every variant "
+            "field (export the checkpoint with `mea-convert export-hf --format native`)"
+        )
+    return value
 
 
 class RMSNorm(nn.Module):
@@ -172,7 +178,7 @@ class VariantAttention(nn.Module):
         variant = variant_setting(config, "attention_variant")
         components = groups
         if variant == "mea":
-            components = variant_setting(config, "mea_num_kv_components") or groups
+            components = variant_setting(config, "mea_num_kv_components")
         self.num_heads, self.num_components = heads, components
         self.num_key_value_groups = heads // groups
         self.scaling = self.head_dim**-0.5
@@ -190,15 +196,13 @@ class VariantAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.head_mix = self.head_norm = self.knock = None
         if variant == "mea":
-            self.head_mix = HeadMix(components, groups)
+            if variant_setting(config, "mea_hlc"):
+                self.head_mix = HeadMix(components, groups)
             if variant_setting(config, "mea_head_norm"):
                 self.head_norm = HeadNorm(heads, hn, config.rms_norm_eps)
         elif variant == "kha":
-            kha = variant_setting(config, "kha_variant") or "linear"
-            targets = variant_setting(config, "kha_targets") or (
-                ("v",) if kha == "mlp" else ("q", "k", "v")
-            )
-            self.knock = Knock(kha, targets, hn)
+            kha = variant_setting(config, "kha_variant")
+            self.knock = Knock(kha, variant_setting(config, "kha_targets"), hn)
         else:
             raise ValueError(f"attention_variant ({variant!r}) must be 'mea' or 'kha'")
         # Virtual heads cache their components (nc/ng of the memory); nc == ng, the composites.
@@ -281,60 +285,36 @@ class VariantAttention(nn.Module):
         )
 
 
-def _swap_attention(model, config, qkv_bias, qk_norm):
-    for index, layer in enumerate(model.model.layers):
-        layer.self_attn = VariantAttention(config, index, qkv_bias=qkv_bias, qk_norm=qk_norm)
-    model.post_init()
-
-
-class MegatronMEALlamaForCausalLM(LlamaForCausalLM):
-    """Llama with MEA / KHA attention."""
-
-    config_class = MegatronMEALlamaConfig
+def _variant_model(base, config_class, qkv_bias=False, qk_norm=False):
+    """`MegatronMEA<Base>`: the stock causal LM `base` with every `self_attn` a
+    `VariantAttention` (q/k/v biases like Qwen2, q/k norms like Qwen3)."""
 
     def __init__(self, config):
-        super().__init__(config)
-        _swap_attention(self, config, qkv_bias=False, qk_norm=False)
+        base.__init__(self, config)
+        for index, layer in enumerate(self.model.layers):
+            layer.self_attn = VariantAttention(config, index, qkv_bias=qkv_bias, qk_norm=qk_norm)
+        self.post_init()
+
+    name = "MegatronMEA" + base.__name__
+    family = base.__name__[: -len("ForCausalLM")]
+    return type(name, (base,), {
+        "__init__": __init__,
+        "__doc__": f"{family} with MEA / KHA attention.",
+        "__module__": __name__,
+        "__qualname__": name,
+        "config_class": config_class,
+    })
 
 
-class MegatronMEAQwen2ForCausalLM(Qwen2ForCausalLM):
-    """Qwen2 (q/k/v biases) with MEA / KHA attention."""
-
-    config_class = MegatronMEAQwen2Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        _swap_attention(self, config, qkv_bias=True, qk_norm=False)
-
-
-class MegatronMEAQwen3ForCausalLM(Qwen3ForCausalLM):
-    """Qwen3 (q/k norms) with MEA / KHA attention."""
-
-    config_class = MegatronMEAQwen3Config
-
-    def __init__(self, config):
-        super().__init__(config)
-        _swap_attention(self, config, qkv_bias=False, qk_norm=True)
-
-
-class MegatronMEAQwen3MoeForCausalLM(Qwen3MoeForCausalLM):
-    """Qwen3-MoE (q/k norms) with MEA / KHA attention."""
-
-    config_class = MegatronMEAQwen3MoeConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        _swap_attention(self, config, qkv_bias=False, qk_norm=True)
-
-
-class MegatronMEAMixtralForCausalLM(MixtralForCausalLM):
-    """Mixtral with MEA / KHA attention."""
-
-    config_class = MegatronMEAMixtralConfig
-
-    def __init__(self, config):
-        super().__init__(config)
-        _swap_attention(self, config, qkv_bias=False, qk_norm=False)
+# Module-level names: `auto_map` and `trust_remote_code=True` look the classes up by name.
+MegatronMEALlamaForCausalLM = _variant_model(LlamaForCausalLM, MegatronMEALlamaConfig)
+MegatronMEAQwen2ForCausalLM = _variant_model(Qwen2ForCausalLM, MegatronMEAQwen2Config,
+                                             qkv_bias=True)
+MegatronMEAQwen3ForCausalLM = _variant_model(Qwen3ForCausalLM, MegatronMEAQwen3Config,
+                                             qk_norm=True)
+MegatronMEAQwen3MoeForCausalLM = _variant_model(Qwen3MoeForCausalLM, MegatronMEAQwen3MoeConfig,
+                                                qk_norm=True)
+MegatronMEAMixtralForCausalLM = _variant_model(MixtralForCausalLM, MegatronMEAMixtralConfig)
 
 
 MODELS = {

@@ -3,12 +3,14 @@
 A run directory holds `config.yaml` (the run's `PretrainArgs`), `latest_checkpointed_iteration.txt`
 and `iter_XXXXXXX/` torch_dist checkpoints (see `megatron_mea.training.checkpointing`). The model is
 rebuilt from the saved arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1;
-no sequence parallelism) and its weights are read through `dist_checkpointing`, which reshards
-them from whatever layout they were saved at.
+no sequence parallelism; more vocabulary padding where TP needs it) and its weights are read
+through `dist_checkpointing`, which reshards them from whatever layout they were saved at. What
+the model cannot take at that TP is refused with a ValueError before any process group exists.
 """
 
 import dataclasses
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
+from megatron_mea.checkpoint.megatron_io import UNSHARDED_BUT_TP
 from megatron_mea.training import checkpointing
 from megatron_mea.training.arguments import PretrainArgs, load_yaml
 
@@ -82,19 +85,27 @@ def resolve_checkpoint(path: str, iteration: int | None = None):
 
 
 def inference_args(args: PretrainArgs, tp: int) -> PretrainArgs:
-    """The run's arguments with the inference layout: TP `tp`, everything else unsharded."""
+    """The run's arguments with the inference layout: TP `tp`, everything else unsharded.
+
+    A padding multiple that `tp` does not divide grows to their least common multiple: Megatron
+    loads the embedding and output layer across a change of padding (rows past the saved ones
+    are zeros), and generation never picks a row past the tokenizer's."""
     return dataclasses.replace(
-        args,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=1,
-        context_parallel_size=1,
-        expert_model_parallel_size=1,
-        expert_tensor_parallel_size=None,
-        sequence_parallel=False,
-        use_distributed_optimizer=False,
-        load=None,
-        save=None,
+        args, **UNSHARDED_BUT_TP, tensor_model_parallel_size=tp, use_distributed_optimizer=False,
+        load=None, save=None,
+        make_vocab_size_divisible_by=math.lcm(args.make_vocab_size_divisible_by, tp),
     )
+
+
+def check_tensor_parallel(config, tp: int) -> None:
+    """Raise ValueError naming an MLP hidden size that TP cannot split (Megatron would only
+    assert); heads and the variant's sizes are the config's own checks."""
+    sizes = [("ffn_hidden_size", config.ffn_hidden_size)]
+    if config.num_moe_experts:
+        sizes.append(("moe_ffn_hidden_size", config.moe_ffn_hidden_size))
+    for name, size in sizes:
+        if size % tp:
+            raise ValueError(f"{name} ({size}) must be divisible by the tensor-parallel size ({tp})")
 
 
 def load_for_inference(
@@ -116,8 +127,9 @@ def load_for_inference(
 
     Raises:
         FileNotFoundError: no run directory, `config.yaml` or checkpoint where pointed.
-        ValueError: `tp` does not divide the world size, or the model cannot be split into `tp`
-            (e.g. MEA with `mea_num_kv_components` not a multiple of `tp`).
+        ValueError: the model cannot be split into `tp` (e.g. MEA with `mea_num_kv_components`
+            not a multiple of `tp`), `tp` does not divide the world size, or the tokenizer has
+            ids the model lacks.
         CheckpointError: a partial or corrupt checkpoint, or one of another model
             (`megatron_mea.training.checkpointing.verify_checkpoint`).
     """
@@ -126,20 +138,30 @@ def load_for_inference(
     from megatron_mea.training.model import build_model, transformer_config
 
     root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
+    if tp < 1:
+        raise ValueError(f"tp ({tp}) must be >= 1")
+    args = inference_args(PretrainArgs(**load_yaml(os.path.join(root, "config.yaml"))), tp)
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    if args.vocab_size is None:
+        args.vocab_size = tokenizer.vocab_size
+    if tokenizer.vocab_size > args.vocab_size:
+        # generate() masks the logits from the tokenizer's size up: the model must have them all.
+        raise ValueError(
+            f"the tokenizer ({args.tokenizer_type}) has {tokenizer.vocab_size} ids, more than the "
+            f"model's vocab_size ({args.vocab_size})"
+        )
+    # The model must split at this TP whatever the world: checked before the world size.
+    config = transformer_config(args)
+    check_tensor_parallel(config, tp)
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
-    if tp < 1 or world % tp:
+    if world % tp:
         raise ValueError(
             f"tp ({tp}) must divide the world size ({world}); launch with torchrun "
             f"--nproc-per-node {tp} (or a multiple)"
         )
-    args = inference_args(PretrainArgs(**load_yaml(os.path.join(root, "config.yaml"))), tp)
-    config = transformer_config(args, world)  # validates the variant at this TP, before any init
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     initialize(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-    if args.vocab_size is None:
-        args.vocab_size = tokenizer.vocab_size
     model = build_model(args, config, pre_process=True, post_process=True)
     checkpointing.verify_checkpoint(directory, model)
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)

@@ -25,6 +25,21 @@ COMMON = dict(
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
 
+def llama3_rope(factor=32.0, **changes):
+    """`rope_parameters` of Llama 3.2's llama3 scaling (factor 32) with a large theta: at head
+    dim 8 the two slowest of the 4 frequencies are scaled, the position-127 angle of the
+    third by ~0.1 rad, so it shows in the logits of 128 tokens; `changes` edit the dict."""
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    return dict(rope, **changes)
+
+
+# A Llama 3.x-style tiny model: llama3 RoPE scaling (transformers wants the context above the
+# original 8192 positions).
+LLAMA3 = dict(rope_parameters=llama3_rope(), max_position_embeddings=16384)
+
+
 def hf_config(family, **overrides):
     """The transformers config of a tiny `family` model."""
     from transformers import (
@@ -101,13 +116,31 @@ def edited_copy(hf_dir, destination, edit_tensors=None, edit_config=None):
     return destination
 
 
-def tokens(batch=2, seed=3):
+def tokens(batch=2, seed=3, seq=SEQ, vocab=VOCAB):
     """Token ids `[b, s]`."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (batch, SEQ), generator=gen)
+    return torch.randint(0, vocab, (batch, seq), generator=gen)
 
 
 def hf_logits(model, ids):
     """Logits `[b, s, V]` of an HF causal LM."""
     with torch.no_grad():
         return model(ids).logits.float()
+
+
+def assert_same_hf_checkpoint(expected_dir, got_dir, config=True):
+    """The two HF directories hold the same tensors (bit for bit) and, with `config`, the same
+    config.json."""
+    from safetensors.torch import load_file
+
+    expected, got = (load_file(os.path.join(d, "model.safetensors"))
+                     for d in (expected_dir, got_dir))
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+    if config:
+        configs = []
+        for directory in (expected_dir, got_dir):
+            with open(os.path.join(directory, "config.json")) as handle:
+                configs.append(json.load(handle))
+        assert configs[1] == configs[0]

@@ -52,6 +52,7 @@ def test_folded_export_is_a_stock_model_with_the_variant_logits(
 
 NATIVE = [
     ("qwen3", "mea", {"mea_head_norm": True}),
+    ("llama", "mea", {"mea_head_norm": True, "mea_hlc": False}),  # the "+norm" control
     ("mixtral", "mea", {"mea_head_norm": True}),
     ("qwen2", "kha", {"kha_variant": "mlp"}),
     ("qwen3_moe", "kha", {"kha_variant": "mlp"}),
@@ -84,6 +85,31 @@ def test_native_export_has_the_variant_logits_and_round_trips(
         assert sorted(a) == sorted(b)
         for name in a:
             assert torch.equal(a[name], b[name]), name
+
+
+def test_native_config_carries_every_variant_field_as_the_training_config_resolved(
+    checkpoints, tmp_path
+):
+    """The native config.json holds the Megatron config's resolved variant fields (the KHA
+    default for MoE models included), and the modeling code has no defaults of its own."""
+    import json
+
+    from megatron_mea.checkpoint.hf_config import VARIANT_FIELDS
+    from megatron_mea.checkpoint.megatron_io import ModelDescription
+    from megatron_mea.hf.modeling_megatron_mea import variant_setting
+
+    source = checkpoints.imported("qwen3_moe", "kha")  # kha_variant left to the default
+    out = str(tmp_path / "hf")
+    export_hf_checkpoint(source, out, format="native")
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as handle:
+        written = json.load(handle)
+    config = ModelDescription.load(source).transformer_config(meta=True)
+    assert config.kha_variant == "mlp"
+    for name in VARIANT_FIELDS:
+        value = getattr(config, name)
+        assert written[name] == (list(value) if isinstance(value, tuple) else value), name
+    with pytest.raises(ValueError, match="has no kha_variant"):
+        variant_setting(type("Config", (), {"kha_variant": None})(), "kha_variant")
 
 
 def test_native_export_loads_with_trust_remote_code(checkpoints, tmp_path):

@@ -1,7 +1,6 @@
 """Hugging Face <-> Megatron: bit-exact round trips, and the imported Megatron model computes the
 HF model's logits at TP=1, TP=2 (with EP for MoE) and loads at PP=2."""
 
-import json
 import os
 
 import pytest
@@ -10,7 +9,12 @@ from safetensors.torch import load_file
 
 from megatron_mea.checkpoint import export_hf_checkpoint, read_checkpoint
 from tests._dist import run_distributed
-from tests.checkpoint._hf_models import FAMILIES, hf_logits, tokens
+from tests.checkpoint._hf_models import (
+    FAMILIES,
+    assert_same_hf_checkpoint,
+    hf_logits,
+    tokens,
+)
 from tests.checkpoint._megatron import megatron_logits
 
 ATOL = 1e-4
@@ -21,15 +25,7 @@ def test_hf_to_megatron_to_hf_round_trip_is_bit_exact(checkpoints, tmp_path, fam
     hf_dir, _ = checkpoints.hf(family)
     out = str(tmp_path / "hf")
     assert export_hf_checkpoint(checkpoints.imported(family), out) == "plain"
-    original, exported = (load_file(os.path.join(d, "model.safetensors")) for d in (hf_dir, out))
-    assert sorted(exported) == sorted(original)
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
-    configs = []
-    for directory in (hf_dir, out):
-        with open(os.path.join(directory, "config.json")) as handle:
-            configs.append(json.load(handle))
-    assert configs[0] == configs[1]
+    assert_same_hf_checkpoint(hf_dir, out)
 
 
 def test_stock_transformers_loads_the_export_with_the_same_logits(checkpoints, tmp_path):
@@ -154,9 +150,7 @@ def test_tied_embeddings_round_trip_and_compute_the_hf_logits(tmp_path, single_r
                                atol=ATOL, rtol=1e-4)
     out = str(tmp_path / "out")
     export_hf_checkpoint(meg, out)
-    original, exported = (load_file(os.path.join(d, "model.safetensors")) for d in (hf_dir, out))
-    assert sorted(original) == sorted(exported)
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    assert_same_hf_checkpoint(hf_dir, out, config=False)
 
 
 def test_padded_vocabulary_round_trips_and_keeps_the_logits(checkpoints, tmp_path):
@@ -171,5 +165,4 @@ def test_padded_vocabulary_round_trips_and_keeps_the_logits(checkpoints, tmp_pat
                                atol=ATOL, rtol=1e-4)
     out = str(tmp_path / "out")
     export_hf_checkpoint(meg, out)
-    original, exported = (load_file(os.path.join(d, "model.safetensors")) for d in (hf_dir, out))
-    assert all(torch.equal(original[k], exported[k]) for k in original)
+    assert_same_hf_checkpoint(hf_dir, out, config=False)

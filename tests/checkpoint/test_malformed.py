@@ -58,9 +58,8 @@ def test_hf_tensor_problems_are_named(checkpoints, tmp_path, case):
 CONFIG_EDITS = {
     "activation": (lambda c: c.update(hidden_act="gelu"), r"hidden_act \('gelu'\)"),
     "rope-scaling": (lambda c: c.update(rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
-        r"rope_type \('llama3'\)"),
+        "rope_type": "dynamic", "rope_theta": 5e5, "factor": 8.0}),
+        r"rope_parameters\.rope_type \('dynamic'\) is not supported"),
     "family": (lambda c: c.update(model_type="gpt2"), r"model_type 'gpt2' is not supported"),
 }
 
@@ -214,11 +213,11 @@ def test_writer_checks_every_tensor_against_the_model(checkpoints, tmp_path):
     description = ModelDescription.load(checkpoints.imported("llama"))
     with converter_process():
         with pytest.raises(ConversionError, match=r"'embedding.word_embeddings.weight' has shape "
-                                                  r"\[95, 64\], the model expects \[96, 64\]"):
+                                                  r"\[95, 64\], the model expects \[128, 64\]"):
             write_checkpoint(str(tmp_path / "a"), description,
                              [{"embedding.word_embeddings.weight": torch.zeros(95, 64)}])
         with pytest.raises(ConversionError, match=r"model tensors were not produced, e.g. "
-                                                  r"'embedding.word_embeddings.weight' \[96, 64\]"):
+                                                  r"'embedding.word_embeddings.weight' \[128, 64\]"):
             write_checkpoint(str(tmp_path / "b"), description, [])
         with pytest.raises(ConversionError, match="'decoder.layers.9.x' .* is not in the model"):
             write_checkpoint(str(tmp_path / "c"), description,

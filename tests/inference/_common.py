@@ -38,10 +38,18 @@ def kv_cache_bytes_expected(name, tp=1, rank_only=False):
 
 
 class IdTokenizer:
-    """Token ids are the text: the smallest tokenizer `generate` accepts."""
+    """Token ids are the text: the smallest tokenizer `generate` accepts.
+
+    Args:
+        vocab_size: ids it knows. Default: the class's `vocab_size`.
+    """
 
     vocab_size = VOCAB - 5  # the last ids play the padded-vocabulary rows: never generated
     eod = 0
+
+    def __init__(self, vocab_size=None):
+        if vocab_size is not None:
+            self.vocab_size = vocab_size
 
     def tokenize(self, text):
         return [int(t) for t in text.split()]

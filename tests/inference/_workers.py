@@ -74,3 +74,23 @@ def generate_cli(rank, world_size, argv_list):
             code = main(argv)
         outputs.append((code, buffer.getvalue()))
     return outputs
+
+
+def load_and_generate(rank, world_size, runs, prompts, new_tokens, vocab_size):
+    """For each (checkpoint root, tp): `load_for_inference` at TP `tp`, greedy `generate`; the
+    tokens, their logits over the real vocabulary, the model's logit rows and the largest
+    logit of a padding row."""
+    from megatron_mea.inference import load_for_inference
+
+    results = []
+    for root, tp in runs:
+        loaded = load_for_inference(root, tp)
+        out = generate(loaded.model, IdTokenizer(vocab_size), prompts, new_tokens,
+                       stop_at_eod=False, return_logits=True)
+        results.append(dict(
+            tokens=out.tokens,
+            logits=[logits[:, :vocab_size] for logits in out.logits],
+            rows=out.logits[0].shape[-1],
+            padding=max(logits[:, vocab_size:].abs().max().item() for logits in out.logits),
+        ))
+    return results
