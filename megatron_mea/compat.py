@@ -14,7 +14,8 @@ What changed after 0.16.1, and the helper that absorbs it:
 - `StaticInferenceContext.materialize_only_last_token_logits` moved to `context.config`:
   :func:`materialize_only_last_token_logits`.
 - dist-ckpt stopped writing `common.pt`; the common state is a `ShardedObject` named
-  `common_state` inside the checkpoint: :data:`COMMON_STATE_FILE`, :data:`COMMON_STATE_KEY`.
+  `common_state` inside the checkpoint: :data:`COMMON_STATE_FILE`, :data:`COMMON_STATE_KEY`,
+  and :func:`reads_common_state_from_index` (0.16.1 cannot read such a checkpoint).
 """
 
 import functools
@@ -29,6 +30,7 @@ __all__ = [
     "batch_on_this_cp_rank",
     "legacy_grouped_gemm_kwargs",
     "materialize_only_last_token_logits",
+    "reads_common_state_from_index",
 ]
 
 MEGATRON_CORE_VERSION: str = package_info.__version__
@@ -42,6 +44,17 @@ COMMON_STATE_KEY = "common_state"
 @functools.lru_cache(maxsize=None)
 def _accepts(function, keyword: str) -> bool:
     return keyword in inspect.signature(function).parameters
+
+
+def reads_common_state_from_index() -> bool:
+    """Whether dist-ckpt reads a checkpoint whose common state is in the index (no `common.pt`).
+
+    Releases that keep it in `common.pt` load it through a separate common strategy, a
+    `common_strategy` argument of `dist_checkpointing.load` that went away with the file.
+    """
+    from megatron.core import dist_checkpointing
+
+    return not _accepts(dist_checkpointing.load, "common_strategy")
 
 
 def legacy_grouped_gemm_kwargs(config) -> dict:

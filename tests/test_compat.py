@@ -48,3 +48,20 @@ def test_legacy_grouped_gemm_keyword_only_where_megatron_has_it():
         gpt_layer_specs.get_gpt_layer_local_spec
     ).parameters
     assert bool(legacy_grouped_gemm_kwargs(tiny_config())) == accepted
+
+
+def test_reads_common_state_from_index_exactly_where_dist_ckpt_writes_no_common_pt(
+    single_rank, tmp_path
+):
+    import os
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_mea.compat import COMMON_STATE_FILE, reads_common_state_from_index
+
+    state = {"x": ShardedTensor.from_rank_offsets("x", torch.zeros(2)), "step": 1}
+    dist_checkpointing.save(state, str(tmp_path))
+    wrote_common_file = os.path.exists(tmp_path / COMMON_STATE_FILE)
+    assert reads_common_state_from_index() == (not wrote_common_file)
+    assert dist_checkpointing.load_common_state_dict(str(tmp_path))["step"] == 1

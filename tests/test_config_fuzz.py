@@ -1,16 +1,20 @@
 """Property: every MEATransformerConfig either builds a model that runs forward and backward at
-TP=1, or raises a ValueError whose message names a config field. No other exception."""
+TP=1, or raises a ValueError whose message names a config field. No other exception. A sample of
+the fuzzed configs that are valid at TP=2 also runs on two gloo processes and equals TP=1 in
+loss and every gradient."""
 
 import dataclasses
 import re
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from megatron.core.models.gpt import GPTModel
 
 from megatron_mea import MEATransformerConfig, get_gpt_decoder_block_spec
-from tests._models import CPU_EXACT
+from tests._dist import run_distributed
+from tests._models import CPU_EXACT, tiny_config
+from tests.distributed import _workers
 
 FIELDS = {f.name for f in dataclasses.fields(MEATransformerConfig)}
 
@@ -72,3 +76,49 @@ def test_every_config_builds_and_runs_or_names_a_field(single_rank, fields):
         return
     if config.tensor_model_parallel_size == 1:
         _build_and_run(config)
+
+
+def _tp2_fields(fields):
+    """`fields` as `tiny_config` overrides (its TP=2 model: hidden 64, a dense and a MoE layer
+    unless the fuzz chose no experts), or None if the config is invalid at TP=2."""
+    fields = {k: v for k, v in fields.items() if k != "tensor_model_parallel_size"}
+    experts = fields.pop("num_moe_experts")
+    overrides = dict(fields, moe=bool(experts))
+    if experts:
+        overrides["num_moe_experts"] = experts
+    try:
+        tiny_config(**overrides, tp=2, sp=True)
+        tiny_config(**overrides)
+    except ValueError:
+        return None
+    return overrides
+
+
+def _first_three_valid(drawn):
+    return [f for f in map(_tp2_fields, drawn) if f][:3]
+
+
+# About one fuzzed config in eight is valid at TP=2: the first three valid ones of 80 draws.
+tp2_samples = st.lists(configs, min_size=80, max_size=80).map(_first_three_valid).filter(
+    lambda sample: len(sample) == 3
+)
+
+
+# One example (a sample of three configs) per session, in one spawned world: each draw costs
+# seconds of process start-up, so no shrinking either (hypothesis prints the failing sample).
+@settings(max_examples=1, deadline=None, phases=[Phase.generate],
+          suppress_health_check=list(HealthCheck))
+@given(sample=tp2_samples)
+def test_fuzzed_configs_at_tp2_equal_tp1_in_loss_and_every_gradient(tmp_path_factory, sample):
+    variants = [(f"config{i}", fields) for i, fields in enumerate(sample)]
+    workdir = str(tmp_path_factory.mktemp("fuzz_tp2"))
+    results = run_distributed(_workers.equivalence, 2, variants, 2, 1, True, workdir)
+    for rank_result in results:
+        for name, fields in variants:
+            r = rank_result[name]
+            diff = (r["losses"] - r["ref_losses"]).abs().max().item()
+            assert diff < 1e-5, f"{fields}: loss differs from TP=1 by {diff}"
+            tolerance = 1e-5 * max(1.0, r["grad_scale"])
+            bad = {n: d for n, d in r["grad_diff"].items() if d > tolerance}
+            assert not bad, f"{fields}: gradients differ from TP=1: {bad}"
+            assert r["grad_diff"], f"{fields}: no gradient was compared"

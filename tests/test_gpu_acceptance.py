@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from megatron_mea.acceptance import environment, report
 from megatron_mea.cli import gpu_acceptance as acceptance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -77,7 +78,7 @@ def test_missing_wheels_installs_pinned_packages_and_only_absent_others(tmp_path
         "notes.txt",
     ]:
         (tmp_path / name).write_text("")
-    assert sorted(acceptance.missing_wheels(str(tmp_path))) == [
+    assert sorted(environment.missing_wheels(str(tmp_path))) == [
         "megatron-core", "megatron-mea", "surely-absent-pkg"]
 
 
@@ -98,7 +99,7 @@ def test_bootstrap_script_without_wheels_runs_the_module(tmp_path):
     (None, None),
 ])
 def test_peak_from_the_device_name(name, peak):
-    assert acceptance.peak_bf16_tflops(name) == peak
+    assert environment.peak_bf16_tflops(name) == peak
 
 
 def test_training_flops_agree_with_the_layer_benchmark():
@@ -110,35 +111,35 @@ def test_training_flops_agree_with_the_layer_benchmark():
                       seq_length=4096, micro_batch_size=1, ffn_hidden_size=None)
     shape = dict(num_layers=1, hidden_size=2048, num_attention_heads=16, num_query_groups=4,
                  seq_length=4096, swiglu=False, vocab_size=0)
-    per_token = acceptance.train_flops_per_token(shape)
+    per_token = report.train_flops_per_token(shape)
     assert per_token * 4096 == pytest.approx(layer_flops(bench))
     # SwiGLU: three h x ffn matrices instead of two; the output layer counts once.
-    swiglu = acceptance.train_flops_per_token(dict(shape, swiglu=True, vocab_size=1000))
+    swiglu = report.train_flops_per_token(dict(shape, swiglu=True, vocab_size=1000))
     assert swiglu - per_token == pytest.approx(3 * (2 * 2048 * 8192 + 2 * 2048 * 1000))
 
 
 def test_loss_falls_and_summaries():
-    assert acceptance.loss_falls([5.0, 4.8, 4.0, 3.0, 2.0, 1.9])["falling"]
-    assert not acceptance.loss_falls([5.0, 5.1, 5.0, 4.9, 5.0, 5.0])["falling"]
+    assert report.loss_falls([5.0, 4.8, 4.0, 3.0, 2.0, 1.9])["falling"]
+    assert not report.loss_falls([5.0, 5.1, 5.0, 4.9, 5.0, 5.0])["falling"]
     raw = {"losses": [5.0] * 6 + [float("nan")] + [1.0] * 6, "step_seconds": [0.5] * 13,
            "iters_planned": 13, "build_s": 1.0, "skipped_steps": 0, "tokens_per_step": 1000,
            "shape": dict(num_layers=2, hidden_size=64, num_attention_heads=4,
                          num_query_groups=2, seq_length=64, vocab_size=384)}
-    row = acceptance.summarize_run(raw, peak_tflops=100.0)
+    row = report.summarize_run(raw, peak_tflops=100.0)
     assert not row["ok"] and not row["all_finite"] and row["falling"]
     assert row["tokens_per_s"] == 2000 and row["mfu"] == pytest.approx(
         row["model_tflops_per_s"] / 100.0)
-    assert acceptance.summarize_run({"error": "boom"}, None) == {"ok": False, "error": "boom"}
+    assert report.summarize_run({"error": "boom"}, None) == {"ok": False, "error": "boom"}
 
 
 def test_junit_counts(tmp_path):
-    report = tmp_path / "r.xml"
-    report.write_text(
+    xml = tmp_path / "r.xml"
+    xml.write_text(
         '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
         '<testcase classname="a" name="t1"/>'
         '<testcase classname="a" name="t2"><failure message="bad&#10;more"/></testcase>'
         '<testcase classname="a" name="t3"><skipped message="no CUDA"/></testcase>'
         "</testsuite></testsuites>")
-    counts = acceptance._junit_counts(str(report))
+    counts = report.junit_counts(str(xml))
     assert (counts["tests"], counts["passed"], counts["failed"], counts["skipped"]) == (3, 1, 1, 1)
     assert counts["not_passed"] == ["failure: a::t2 -- bad", "skipped: a::t3 -- no CUDA"]

@@ -4,7 +4,7 @@ Megatron's `dist_checkpointing.save` takes the whole sharded state dict at once.
 instead saves each group of tensors as its own DCP save (Megatron's global keys and offsets,
 taken from the TP=1 model's sharded state dict, so SwiGLU halves, stacked layers and experts
 land where Megatron expects them) and merges the parts' indexes into the one `.metadata` at the
-end; Megatron writes the rest (`metadata.json`, `common.pt`, the linears' extra states). The
+end; Megatron writes the rest (`metadata.json`, the common state, the linears' extra states). The
 reader asks DCP for one layer's region of each global tensor, so it reads only the stored chunks
 overlapping it, whatever TP / PP / EP the checkpoint was saved at.
 """
@@ -173,7 +173,7 @@ def write_checkpoint(
     with staged_directory(root) as staged:
         directory = checkpoint_dir(staged, 0)
         os.makedirs(directory)
-        # Megatron writes the rest (its metadata.json, common.pt, the linears' extra states)
+        # Megatron writes the rest (its metadata.json, the common state, the linears' extra states)
         # first, into the empty directory (it warns of an "incomplete checkpoint" otherwise);
         # then its tensor index gains the parts.
         rest = {name: value for name, value in sharded.items() if name not in entries}

@@ -34,6 +34,22 @@ class _Tokenizer:
         for name, value in options.items():
             self.unique_identifiers[name] = str(value)
         self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        self._vocab, self._inv_vocab = {}, {}
+
+    def _set_vocab(self, vocab: dict) -> None:
+        """Set `vocab` (token text to id) and `inv_vocab` (its inverse)."""
+        self._vocab = vocab
+        self._inv_vocab = {i: t for t, i in vocab.items()}
+
+    @property
+    def vocab(self) -> dict:
+        """Token text to id."""
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict:
+        """Id to token text."""
+        return self._inv_vocab
 
     @property
     def pad(self) -> int:
@@ -60,10 +76,9 @@ class ByteLevelTokenizer(_Tokenizer):
 
     def __init__(self) -> None:
         super().__init__()
-        # Byte b is named chr(b) (its Latin-1 reading), so every byte has a distinct one-char name.
-        self._vocab = {chr(b): b for b in range(self.NUM_BYTES)}
-        self._vocab[self.EOD_TEXT] = self.EOD
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        # Byte b is named chr(b) (its Latin-1 reading), so every byte has a distinct one-char name;
+        # eod is "<eod>".
+        self._set_vocab({**{chr(b): b for b in range(self.NUM_BYTES)}, self.EOD_TEXT: self.EOD})
 
     def tokenize(self, text: str) -> list[int]:
         """Encode `text` as its UTF-8 bytes.
@@ -97,16 +112,6 @@ class ByteLevelTokenizer(_Tokenizer):
             elif i != self.EOD:
                 raise ValueError(f"token id {i} is outside the byte-level vocabulary [0, 257)")
         return data.decode("utf-8", errors="replace")
-
-    @property
-    def vocab(self) -> dict:
-        """Token text to id: chr(b) for byte b, "<eod>" for 256."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict:
-        """Id to token text."""
-        return self._inv_vocab
 
     @property
     def vocab_size(self) -> int:
@@ -159,8 +164,7 @@ class HuggingFaceTokenizer(_Tokenizer):
         self._tokenizer = transformers.AutoTokenizer.from_pretrained(
             model_dir, local_files_only=True, trust_remote_code=trust_remote_code
         )
-        self._vocab = self._tokenizer.get_vocab()
-        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._set_vocab(self._tokenizer.get_vocab())  # added tokens included
 
     def tokenize(self, text: str) -> list[int]:
         """Encode `text` to token ids (special tokens as configured; no eod appended)."""
@@ -169,16 +173,6 @@ class HuggingFaceTokenizer(_Tokenizer):
     def detokenize(self, ids) -> str:
         """Decode token ids to text."""
         return self._tokenizer.decode([int(i) for i in ids])
-
-    @property
-    def vocab(self) -> dict:
-        """Token text to id, added tokens included."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict:
-        """Id to token text."""
-        return self._inv_vocab
 
     @property
     def vocab_size(self) -> int:

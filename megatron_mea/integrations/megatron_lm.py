@@ -109,6 +109,13 @@ def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,
         config = core_transformer_config_from_args(args, MEATransformerConfig)
 
     use_te = args.transformer_impl == "transformer_engine"
+    # The decoder block's layer specs and the MTP layer's are built with the same options.
+    layer_spec_options = dict(
+        use_transformer_engine=use_te,
+        normalization=args.normalization,
+        qk_l2_norm=args.qk_l2_norm,
+        vp_stage=vp_stage,
+    )
     if args.spec is not None:
         transformer_layer_spec = apply_attention_variant(import_module(args.spec), config)
     elif args.experimental_attention_variant is not None:
@@ -120,13 +127,7 @@ def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,
         )
     elif args.num_experts:
         assert not (config.transformer_impl == "inference_optimized")
-        transformer_layer_spec = get_gpt_decoder_block_spec(
-            config,
-            use_transformer_engine=use_te,
-            normalization=args.normalization,
-            qk_l2_norm=args.qk_l2_norm,
-            vp_stage=vp_stage,
-        )
+        transformer_layer_spec = get_gpt_decoder_block_spec(config, **layer_spec_options)
     elif args.heterogeneous_layers_config_path is not None:
         # Standard attention only (_check_supported): the config class is Megatron's own.
         transformer_layer_spec = get_gpt_heterogeneous_layer_spec(config, use_te)
@@ -151,13 +152,7 @@ def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,
             layer_specs = eav_specs.get_transformer_layer_with_experimental_attention_variant_spec
             spec_for_mtp = layer_specs(config=config)[-1]
         else:
-            spec_for_mtp = get_gpt_decoder_layer_specs(
-                config,
-                use_transformer_engine=use_te,
-                normalization=args.normalization,
-                qk_l2_norm=args.qk_l2_norm,
-                vp_stage=vp_stage,
-            )[-1]
+            spec_for_mtp = get_gpt_decoder_layer_specs(config, **layer_spec_options)[-1]
         mtp_block_spec = get_gpt_mtp_block_spec(
             config,
             apply_attention_variant(spec_for_mtp, config),
@@ -179,6 +174,9 @@ def mea_gpt_builder(args, pre_process, post_process, vp_stage=None, config=None,
         rotary_percent=args.rotary_percent,
         rotary_base=args.rotary_base,
         rope_scaling=args.use_rope_scaling,
+        # Megatron-LM's builder drops the factor (GPTModel then uses its default, 8); Llama 3.2
+        # needs 32.
+        rope_scaling_factor=args.rope_scaling_factor,
         mtp_block_spec=mtp_block_spec,
         vp_stage=vp_stage,
         pg_collection=pg_collection,

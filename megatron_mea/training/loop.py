@@ -25,6 +25,7 @@ from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.training import checkpointing
 from megatron_mea.training.arguments import PretrainArgs, save_config
 from megatron_mea.training.batches import MicroBatches
+from megatron_mea.training.checkpoint_checks import ModelMismatchError, explain_model_mismatch
 from megatron_mea.training.model import (
     build_model,
     build_optimizer,
@@ -153,11 +154,16 @@ class Trainer:
 
         self.iteration, consumed = 0, 0
         if args.load and checkpointing.latest_iteration(args.load) is not None:
-            self.iteration, consumed = checkpointing.load_checkpoint(
-                args.load, self.modules, self.optimizer, self.scheduler,
-                load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
-                use_distributed_optimizer=args.use_distributed_optimizer,
-            )
+            try:
+                self.iteration, consumed = checkpointing.load_checkpoint(
+                    args.load, self.modules, self.optimizer, self.scheduler,
+                    load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
+                    use_distributed_optimizer=args.use_distributed_optimizer,
+                )
+            except ModelMismatchError as exc:
+                # A tensor's name or shape says little about which flag is off; the saving
+                # run's config.yaml names the setting.
+                raise explain_model_mismatch(args.load, args, exc) from None
         eval_runs = args.train_iters // args.eval_interval + 1
         build = partial(
             build_gpt_datasets,

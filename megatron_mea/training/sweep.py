@@ -33,10 +33,12 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 # Flags of `mea-pretrain` per variant; every other setting is shared by all runs of a sweep.
+# The MEA paper's LR study compares the baseline, +norm, +HLC and HLC + norm (MEA); KHA follows.
 VARIANTS = {
     "baseline": ("--attention-variant", "standard"),
-    "mea": ("--attention-variant", "mea", "--mea-head-norm"),
+    "mea-norm-only": ("--attention-variant", "mea", "--no-mea-hlc", "--mea-head-norm"),
     "mea-no-norm": ("--attention-variant", "mea", "--no-mea-head-norm"),
+    "mea": ("--attention-variant", "mea", "--mea-head-norm"),
     "kha-linear": ("--attention-variant", "kha", "--kha-variant", "linear"),
     "kha-mlp": ("--attention-variant", "kha", "--kha-variant", "mlp"),
 }

@@ -38,6 +38,8 @@ METRICS = "metrics.jsonl"
 LOG = "train.log"
 # `mea-pretrain` prints this line (exit status 1) when TrainingStopped ends a run on purpose.
 _STOPPED = "mea-pretrain: stopped:"
+# mea-pretrain's module, run as `python -m` (a checkout need not be installed).
+PRETRAIN_MODULE = "megatron_mea.cli.pretrain"
 
 
 class SweepRunError(RuntimeError):
@@ -83,7 +85,10 @@ class SweepSettings:
 
     @property
     def warmup_steps(self) -> int:
-        """LR warm-up steps of every run (Megatron's: fraction x train_iters, rounded down)."""
+        """LR warm-up steps of every run: `lr_warmup_iters`, else Megatron's fraction x
+        train_iters, rounded down."""
+        if self.train_config.get("lr_warmup_iters") is not None:
+            return int(self.train_config["lr_warmup_iters"])
         return int(float(self.train_config.get("lr_warmup_fraction", 0.0)) * self.train_iters)
 
     def grid(self) -> List[tuple]:
@@ -230,10 +235,10 @@ def resume_point(directory: str) -> int:
 
 def train_command(settings: SweepSettings, config_path: str, variant: str, lr: float,
                   resume: bool) -> List[str]:
-    """The `python -m megatron_mea.pretrain` command of one run."""
+    """The `python -m megatron_mea.cli.pretrain` (mea-pretrain) command of one run."""
     directory = run_dir(settings.out, variant, lr)
     command = [
-        sys.executable, "-m", "megatron_mea.pretrain", "--config", config_path,
+        sys.executable, "-m", PRETRAIN_MODULE, "--config", config_path,
         "--data-path", *settings.data_path,
         "--lr", f"{lr:g}", "--min-lr", f"{lr * settings.min_lr_ratio:g}",
         "--save", directory, "--data-cache-path", os.path.join(settings.out, "cache"),
@@ -304,7 +309,7 @@ _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 def _child_env() -> dict:
     """This environment without rendezvous variables, with the directory holding `megatron_mea`
-    first on PYTHONPATH, so that `python -m megatron_mea.pretrain` finds this package from a
+    first on PYTHONPATH, so that `python -m megatron_mea.cli.pretrain` finds this package from a
     checkout that is not installed."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.environ.get("PYTHONPATH")

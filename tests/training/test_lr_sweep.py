@@ -128,6 +128,30 @@ def test_every_preset_run_passes_mea_pretrain_validation(preset, tmp_path):
     prepare_sweep(settings, partial(check_commands, settings))
 
 
+def test_gpu_preset_has_the_shape_of_the_papers_lr_study(tmp_path):
+    """Warm-up then constant LR, warm-up 40% of the run (1,000 of 2,500 steps in the paper); the
+    spike and divergence criteria start after it."""
+    from megatron_mea.cli.lr_sweep import PRESETS, build_parser, resolve
+
+    config = PRESETS["gpu"]["train_config"]
+    assert config["lr_decay_style"] == "constant"
+    assert config["lr_warmup_iters"] / config["train_iters"] == pytest.approx(1000 / 2500)
+    args = build_parser().parse_args(["--preset", "gpu", "--out", str(tmp_path / "out"),
+                                      "--data-path", "x"])
+    assert resolve(args)[0].warmup_steps == config["lr_warmup_iters"]
+
+
+def test_the_sweep_has_the_papers_controls():
+    """Baseline, +norm, +HLC, HLC + norm; the norm-only run has no mixing matrices."""
+    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.model import transformer_config
+
+    for name, (hlc, norm) in {"mea-norm-only": (False, True), "mea-no-norm": (True, False),
+                              "mea": (True, True)}.items():
+        config = transformer_config(parse_args([*VARIANTS[name], "--mock-data"]))
+        assert (config.mea_hlc, config.mea_head_norm) == (hlc, norm), name
+
+
 TINY = [
     "--variants", "baseline", "mea", "--lrs", "3e-3", "1e30", "--train-iters", "6",
     "--save-interval", "3",

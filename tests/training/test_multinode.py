@@ -41,7 +41,7 @@ def test_two_torchrun_agents_train_and_checkpoint_like_one_node(tmp_path):
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
              "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
-             "--master-port", port, "-m", "megatron_mea.pretrain", *argv],
+             "--master-port", port, "-m", "megatron_mea.cli.pretrain", *argv],
             env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,
         )

@@ -40,6 +40,25 @@ def _train(rank, world_size, argv):
     return [record["lm loss"] for record in pretrain(parse_args(argv))]
 
 
+def _train_counting_folds(rank, world_size, argv):
+    """`_train`, and how many times the layers' step caches built, reused and flushed a fold."""
+    from megatron_mea.layers.fold_cache import FoldCache
+
+    counts = dict(built=0, reused=0, flushed=0)
+    get, flush = FoldCache.get, FoldCache.flush
+
+    def counting_get(cache, build, params):
+        counts["reused" if cache.live else "built"] += 1
+        return get(cache, build, params)
+
+    def counting_flush(cache):
+        counts["flushed"] += cache.live
+        return flush(cache)
+
+    FoldCache.get, FoldCache.flush = counting_get, counting_flush
+    return _train(rank, world_size, argv), counts
+
+
 def _mean(values):
     return sum(values) / len(values)
 
@@ -94,11 +113,16 @@ def test_folded_projection_with_its_step_cache_trains_like_the_unfolded_model(
     common = [*SMALL, "--data-path", text_dataset, "--train-iters", "6", *variant,
               "--tensor-model-parallel-size", "2", "--sequence-parallel",
               "--data-cache-path", str(tmp_path / "cache")]
-    plain = run_distributed(_train, 2, common)[0]
-    fold = run_distributed(_train, 2, [*common, *folded])[0]
+    plain, plain_folds = run_distributed(_train_counting_folds, 2, common)[0]
+    fold, folds = run_distributed(_train_counting_folds, 2, [*common, *folded])[0]
     assert len(plain) == len(fold) == 6
     assert max(abs(a - b) for a, b in zip(plain, fold)) < 1e-4, (plain, fold)
     assert plain[-1] < plain[0]  # the steps really trained
+    # The folded run took the fold path: each of the 2 layers folded once per step (6 steps),
+    # its second micro-batch reused the fold, and every fold's gradient was flushed; the plain
+    # run never folded.
+    assert folds == dict(built=12, reused=12, flushed=12), folds
+    assert plain_folds == dict(built=0, reused=0, flushed=0), plain_folds
 
 
 def test_tensor_parallel_run_matches_the_single_process_run(tmp_path):

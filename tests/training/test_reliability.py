@@ -1,14 +1,24 @@
-"""Crash-safe checkpoints, refusal of bad checkpoints, and the NaN policy (real processes)."""
+"""Crash-safe checkpoints, refusal of bad checkpoints (one line from the CLI), and the NaN policy
+(real processes)."""
 
 import os
 import pickle
+import re
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
+from megatron_mea import compat
 from tests._dist import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Variables of a launcher around this test session that a CLI run must not inherit.
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -147,7 +157,8 @@ def _corrupt(saved, tmp_path, how):
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
     iteration = os.path.join(ckpt, "iter_0000002")
-    shard = os.path.join(iteration, sorted(f for f in os.listdir(iteration) if f.endswith(".distcp"))[0])
+    shards = sorted(f for f in os.listdir(iteration) if f.endswith(".distcp"))
+    shard = os.path.join(iteration, shards[0])
     if how == "missing shard":
         os.remove(shard)
     elif how == "truncated shard":
@@ -176,16 +187,106 @@ def test_corrupt_checkpoint_is_refused_naming_the_file(saved_checkpoint, tmp_pat
         run_distributed(_train, 1, [*TINY, "--train-iters", "4", "--load", ckpt])
 
 
-def test_checkpoint_of_another_model_is_refused_naming_tensor_and_shapes(saved_checkpoint):
-    argv = [*TINY, "--train-iters", "4", "--load", saved_checkpoint, "--hidden-size", "96"]
+def test_checkpoint_of_another_model_is_refused_naming_the_setting_and_both_values(
+    saved_checkpoint,
+):
+    # The saving run's config.yaml (next to the checkpoints) names the setting that differs.
+    for flags, match in [
+        (["--num-attention-heads", "8"],
+         r"num_attention_heads 4 in the checkpoint, 8 in this run \(--num-attention-heads\)"),
+        (["--num-layers", "3"], r"num_layers 2 in the checkpoint, 3 in this run"),
+        (["--attention-variant", "kha"],
+         r"attention_variant 'mea' in the checkpoint, 'kha' in this run"),
+    ]:
+        argv = [*TINY, "--train-iters", "4", "--load", saved_checkpoint, *flags]
+        with pytest.raises(RuntimeError, match=match):
+            run_distributed(_train, 1, argv)
+
+
+def test_without_config_yaml_the_refusal_names_tensor_and_shapes(saved_checkpoint, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved_checkpoint, ckpt)
+    os.remove(os.path.join(ckpt, "config.yaml"))
+    argv = [*TINY, "--train-iters", "4", "--load", ckpt, "--hidden-size", "96"]
     with pytest.raises(RuntimeError, match=r"tensor '.*' has shape \[.*64.*\] in the checkpoint, "
                                            r"this model expects \[.*96.*\]"):
         run_distributed(_train, 1, argv)
-    # Megatron stacks layers into one tensor per kind: a deeper model shows as a shape mismatch.
-    deeper = [*TINY, "--train-iters", "4", "--load", saved_checkpoint, "--num-layers", "3"]
-    with pytest.raises(RuntimeError, match=r"has shape \[2, .*\] in the checkpoint, this model "
-                                           r"expects \[3, "):
-        run_distributed(_train, 1, deeper)
-    mha = [*TINY, "--train-iters", "4", "--load", saved_checkpoint, "--attention-variant", "kha"]
-    with pytest.raises(RuntimeError, match=r"tensor '.*knock.*' .* is not in the checkpoint"):
-        run_distributed(_train, 1, mha)
+
+
+def _cli(argv, **env):
+    """`python -m megatron_mea.cli.pretrain argv` as a world of its own: (exit status, stderr)."""
+    clean = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+    run = subprocess.run([sys.executable, "-m", "megatron_mea.cli.pretrain", *argv],
+                         cwd=ROOT, env={**clean, **env}, capture_output=True, text=True,
+                         timeout=300)
+    return run.returncode, run.stderr
+
+
+def _one_line_error(stderr):
+    """The `mea-pretrain:` line of stderr, asserting there is one and no traceback."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [line for line in stderr.splitlines() if line.startswith("mea-pretrain:")]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
+
+
+def test_cli_refuses_another_models_checkpoint_in_one_line(saved_checkpoint):
+    status, stderr = _cli([*TINY, "--train-iters", "4", "--load", saved_checkpoint,
+                           "--num-query-groups", "4"])
+    assert status == 1
+    line = _one_line_error(stderr)
+    assert re.search(r"num_query_groups 2 in the checkpoint, 4 in this run", line), line
+
+
+def test_cli_refuses_a_layout_the_heads_do_not_divide_in_one_line(saved_checkpoint):
+    # The model's shape comes from the flags, which must match the checkpoint's: at TP=4 its
+    # 2 query groups cannot be split (refused before any process starts).
+    status, stderr = _cli([*TINY, "--train-iters", "4", "--load", saved_checkpoint,
+                           "--tensor-model-parallel-size", "4"], WORLD_SIZE="4")
+    assert status == 2
+    line = _one_line_error(stderr)
+    assert re.search(r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size "
+                     r"\(4\)", line), line
+
+
+def _as_newer_layout(saved, tmp_path):
+    """A copy of `saved` whose common state is in the index, as Megatron-Core 0.17+ writes it:
+    `common.pt` gone, a `common_state` object in the torch_dist index (already so when this
+    Megatron-Core wrote it)."""
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved, ckpt)
+    iteration = os.path.join(ckpt, "iter_0000002")
+    common = os.path.join(iteration, "common.pt")
+    if os.path.exists(common):
+        os.remove(common)
+        index = FileSystemReader(iteration).read_metadata()
+        index.state_dict_metadata["common_state/shard_0_1"] = BytesStorageMetadata()
+        with open(os.path.join(iteration, ".metadata"), "wb") as handle:
+            pickle.dump(index, handle)  # the index format torch.distributed.checkpoint writes
+    return ckpt, iteration
+
+
+NEWER_LAYOUT = (r"written by megatron-core 0.17 or later \(its common state is stored in the "
+                r"index, not in common.pt\), which megatron-core .* cannot read: load it with "
+                r"megatron-core 0.17 or later")
+
+
+def test_newer_megatron_checkpoint_is_refused_where_unreadable(
+    saved_checkpoint, tmp_path, monkeypatch
+):
+    from megatron_mea import compat
+    from megatron_mea.training.checkpointing import CheckpointError, verify_checkpoint
+
+    _, iteration = _as_newer_layout(saved_checkpoint, tmp_path)
+    monkeypatch.setattr(compat, "reads_common_state_from_index", lambda: False)
+    with pytest.raises(CheckpointError, match=NEWER_LAYOUT):
+        verify_checkpoint(iteration, model=None)  # refused before the model is looked at
+
+
+@pytest.mark.skipif(compat.reads_common_state_from_index(),
+                    reason="this Megatron-Core reads the newer layout")
+def test_cli_refuses_a_newer_megatron_checkpoint_in_one_line(saved_checkpoint, tmp_path):
+    ckpt, _ = _as_newer_layout(saved_checkpoint, tmp_path)
+    status, stderr = _cli([*TINY, "--train-iters", "4", "--load", ckpt])
+    assert status == 1
+    assert re.search(NEWER_LAYOUT, _one_line_error(stderr))

@@ -33,6 +33,10 @@ VARIANTS = {
     "mea": ["--attention-variant", "mea", "--mea-num-kv-components", "1",
             "--mea-tp-exchange", "weights"],
     "kha": ["--attention-variant", "kha"],
+    # Per-layer variants: a standard layer 1 and an MEA layer 2 with virtual heads; under PP=2
+    # each stage builds one of them.
+    "mea-per-layer": ["--attention-variant", "mea", "--attention-variant-per-layer", "standard",
+                      "mea", "--mea-num-kv-components-per-layer", "2", "1"],
 }
 LAYOUTS = {
     "same": [],

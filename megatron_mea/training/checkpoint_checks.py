@@ -1,0 +1,214 @@
+"""Finding a checkpoint and refusing one that cannot be loaded, before any collective load starts.
+
+`verify_checkpoint` checks the files (partial, truncated, written by a newer Megatron-Core) and
+the model tensors against the model (another model's checkpoint); `explain_model_mismatch`
+turns a tensor mismatch into the model settings that differ, read from the run's saved
+`config.yaml`. Every message is one line naming the file, the tensor or the setting.
+"""
+
+import os
+import re
+
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+from torch.distributed.checkpoint import FileSystemReader
+
+from megatron_mea import compat
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+# Optimizer tensors (checkpoints of earlier versions prefix a ChainedOptimizer's with chained_N.).
+OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
+
+# PretrainArgs fields that decide the model's tensors and their shapes, besides the attention
+# variant's fields of scope "model".
+MODEL_SETTINGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "swiglu", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+    "untie_embeddings_and_output_weights", "qk_layernorm", "add_qkv_bias",
+    "position_embedding_type",
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded as asked: the message names the file or tensor."""
+
+
+class ModelMismatchError(CheckpointError):
+    """The checkpoint's model tensors are not this model's (other names or shapes)."""
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    """Directory of the checkpoint of `iteration` under `root`."""
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def latest_iteration(root: str):
+    """The iteration named by the tracker file, or None if there is no complete checkpoint."""
+    path = os.path.join(root, TRACKER)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def chunks_of(model) -> list:
+    """The model chunks of this rank (one, or one per virtual pipeline stage)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def verify_checkpoint(directory: str, model) -> None:
+    """Refuse a partial, corrupt, foreign or unreadable checkpoint before any collective load.
+
+    Every rank runs the same checks on the same files, so all of them raise together instead of
+    some waiting forever in a collective. Checks: the directory, Megatron's `metadata.json` and
+    the common state exist (a `common.pt` file up to Megatron-Core 0.16, a `common_state`
+    object in the index from 0.17, which 0.16 cannot read); every byte range the torch_dist
+    index points at lies inside an existing shard file (missing or truncated shards); the model
+    tensors are exactly the ones this model expects, with the same global shapes (another
+    model's checkpoint).
+
+    Args:
+        directory: an `iter_XXXXXXX` checkpoint directory.
+        model: the model or its list of chunks (virtual pipeline stages).
+
+    Raises:
+        CheckpointError: naming the file or tensor and the problem (`ModelMismatchError` for
+            tensors this model does not have or has in another shape).
+    """
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: checkpoint directory is missing")
+    for name in ("metadata.json", ".metadata"):
+        if not os.path.exists(os.path.join(directory, name)):
+            raise CheckpointError(f"{os.path.join(directory, name)}: missing (partial checkpoint)")
+    try:
+        index = FileSystemReader(directory).read_metadata()
+    except Exception as exc:  # unreadable index: report it as such, whatever torch raised
+        index_file = os.path.join(directory, ".metadata")
+        raise CheckpointError(f"{index_file}: unreadable ({exc})") from exc
+    _check_common_state(directory, index)
+    _check_shard_files(directory, index)
+    saved = {key: tuple(meta.size) for key, meta in index.state_dict_metadata.items()
+             if hasattr(meta, "size") and not OPTIMIZER_KEY.match(key)}
+    problem, expected = _model_tensor_problem(directory, saved, chunks_of(model))
+    # Each pipeline stage expects only its own layers: pool the verdicts and the expected keys,
+    # so that every rank raises the same error (a rank raising alone would leave the others
+    # waiting in the next collective).
+    verdicts = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, (problem, expected))
+    problems = [p for p, _ in verdicts if p]
+    if problems:
+        raise ModelMismatchError(problems[0])
+    extra = sorted(set(saved) - set().union(*(keys for _, keys in verdicts)))
+    if extra:
+        raise ModelMismatchError(
+            f"{directory}: {len(extra)} tensors of the checkpoint are not in this model, e.g. "
+            f"{extra[0]!r} (a checkpoint of another model?)"
+        )
+
+
+def _check_common_state(directory: str, index) -> None:
+    common_file = os.path.join(directory, compat.COMMON_STATE_FILE)
+    if os.path.exists(common_file):
+        return
+    if not any(key.startswith(compat.COMMON_STATE_KEY) for key in index.state_dict_metadata):
+        raise CheckpointError(
+            f"{common_file}: missing, and no {compat.COMMON_STATE_KEY!r} object in the index "
+            "either (partial checkpoint)"
+        )
+    if not compat.reads_common_state_from_index():
+        raise CheckpointError(
+            f"{directory}: written by megatron-core 0.17 or later (its common state is stored "
+            f"in the index, not in {compat.COMMON_STATE_FILE}), which megatron-core "
+            f"{compat.MEGATRON_CORE_VERSION} cannot read: load it with megatron-core 0.17 or "
+            "later installed"
+        )
+
+
+def _check_shard_files(directory: str, index) -> None:
+    sizes = {}
+    for item in index.storage_data.values():
+        path = os.path.join(directory, item.relative_path)
+        if path not in sizes:
+            if not os.path.exists(path):
+                raise CheckpointError(f"{path}: shard file is missing")
+            sizes[path] = os.path.getsize(path)
+        if item.offset + item.length > sizes[path]:
+            raise CheckpointError(
+                f"{path}: truncated ({sizes[path]} bytes, the index needs "
+                f"{item.offset + item.length})"
+            )
+
+
+def _model_tensor_problem(directory, saved, chunks):
+    """(first problem or None, keys this rank's model expects) against the saved shapes."""
+    expected = {}
+    for chunk in chunks:
+        sharded = chunk.sharded_state_dict()
+        apply_factories(sharded)  # e.g. SwiGLU fc1 is saved as two tensors
+        for value in nested_values(sharded):
+            if isinstance(value, ShardedTensor):
+                expected[value.key] = (tuple(value.global_shape), value.allow_shape_mismatch)
+    for key, (shape, any_shape) in sorted(expected.items()):
+        if key not in saved:
+            return (
+                f"{directory}: tensor {key!r} {list(shape)} is not in the checkpoint (a "
+                "checkpoint of another model?)"
+            ), set(expected)
+        if saved[key] != shape and not any_shape:
+            return (
+                f"{directory}: tensor {key!r} has shape {list(saved[key])} in the checkpoint, "
+                f"this model expects {list(shape)}"
+            ), set(expected)
+    return None, set(expected)
+
+
+def model_setting_differences(saved: dict, current: dict) -> list:
+    """`name X in the checkpoint, Y in this run (--flag)` for each setting that differs.
+
+    Args:
+        saved: the checkpoint's model settings (see `model_settings`).
+        current: this run's, the same keys.
+    """
+    return [
+        f"{name} {saved[name]!r} in the checkpoint, {current[name]!r} in this run "
+        f"(--{name.replace('_', '-')})"
+        for name in saved
+        if name in current and saved[name] != current[name]
+    ]
+
+
+def explain_model_mismatch(root: str, args, error: ModelMismatchError) -> CheckpointError:
+    """`error` restated as the model settings that differ between the run that saved `root`
+    (its `config.yaml`) and `args` (PretrainArgs), or `error` itself when there is no
+    config.yaml or no setting differs (the tensor message is then the best there is)."""
+    from megatron_mea.training.arguments import PretrainArgs, load_yaml
+
+    path = os.path.join(root, "config.yaml")
+    if not os.path.isfile(path):
+        return error
+    try:
+        saved_args = PretrainArgs(**load_yaml(path))
+    except (TypeError, ValueError):  # a config of another version: keep the tensor message
+        return error
+    differences = model_setting_differences(model_settings(saved_args), model_settings(args))
+    if not differences:
+        return error
+    return CheckpointError(
+        f"{root}: the checkpoint's model differs from this run's: {'; '.join(differences)}. "
+        "Pass the checkpoint's settings (see its config.yaml) to resume it"
+    )
+
+
+def model_settings(args) -> dict:
+    """The settings of `args` (PretrainArgs) that decide the model's tensors and shapes.
+
+    The padded vocabulary is not one of them: Megatron loads the embedding and output layer
+    across a change of padding (their `allow_shape_mismatch`)."""
+    from megatron_mea.variant import fields_of_scope
+
+    return {name: getattr(args, name) for name in (*MODEL_SETTINGS, *fields_of_scope("model"))}
