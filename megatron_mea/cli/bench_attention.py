@@ -15,7 +15,7 @@
 
     mea-bench-attention                  # CPU: hidden 1024, 16/4 heads, seq 2048
     mea-bench-attention --device cuda --bf16 --hidden-size 4096 \\
-        --num-attention-heads 32 --num-query-groups 8 --seq-length 4096   # one GPU (bench_gpu.sh)
+        --num-attention-heads 32 --num-query-groups 8 --seq-length 4096   # one GPU
 
 Prints a table; `--json` writes every number. `--profile` prints torch.profiler's top ops for
 one layer step of each variant.

@@ -125,9 +125,11 @@ class HeadMix(torch.nn.Module):
         else:
             heads = divide(num_heads, self.world_size)
             query, key, value = unfuse_qkv(rows, heads, divide(nc, self.world_size), hn)
-            # K and V rows of every rank in one collective: [nc, 2, hn, columns].
-            kv = gather_rows(torch.stack([key, value], dim=1), self.tp_group)
-            key, value = kv[:, 0], kv[:, 1]
+            if self.world_size > 1:
+                # K and V rows of every rank in one collective: [nc, 2, hn, columns]. (A single
+                # rank holds them all already; stacking would only copy them, fwd and bwd.)
+                kv = gather_rows(torch.stack([key, value], dim=1), self.tp_group)
+                key, value = kv[:, 0], kv[:, 1]
         key_weight = tp_replicated(self.key_weight, self.tp_group)[:, self.local_groups]
         value_weight = tp_replicated(self.value_weight, self.tp_group)[:, self.local_groups]
         # Fold in fp32 (a bf16 fold would round every composite row once more than mixing does).

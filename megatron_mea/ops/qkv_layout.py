@@ -31,8 +31,12 @@ def unfuse_qkv(
     per_group = num_heads // num_groups
     lead, rest = fused.shape[:dim], fused.shape[dim + 1 :]
     grouped = fused.reshape(*lead, num_groups, per_group + 2, head_dim, *rest)
-    q = grouped.narrow(dim + 1, 0, per_group).reshape(*lead, num_heads, head_dim, *rest)
-    return q, grouped.select(dim + 1, per_group), grouped.select(dim + 1, per_group + 1)
+    # One split, not narrow + select: autograd then joins the three gradients with one cat,
+    # where narrow/select would each scatter into a zero-filled tensor of the full size and
+    # sum the three (four full-size passes more per call).
+    q, k, v = torch.split(grouped, [per_group, 1, 1], dim=dim + 1)
+    q = q.reshape(*lead, num_heads, head_dim, *rest)
+    return q, k.squeeze(dim + 1), v.squeeze(dim + 1)
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dim: int = 0) -> torch.Tensor:

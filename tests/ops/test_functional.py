@@ -139,3 +139,22 @@ def test_qkv_layout_of_activations_matches_the_weight_rows():
     assert torch.equal(k[1], weight[2 * per_group - 2 * hn : 2 * per_group - hn])
     assert torch.equal(v[1], weight[2 * per_group - hn :])
     assert torch.equal(fuse_qkv(*unfuse_qkv(out, np_, ng, hn, dim=-1), dim=2), out)
+
+
+@pytest.mark.parametrize("np_,ng", [(8, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
+def test_unfuse_qkv_gradients_equal_row_indexing_and_key_value_are_views(np_, ng):
+    # The split's backward (one cat) against gathering the same rows by explicit index.
+    hn, per_group = 3, np_ // ng + 2
+    fused = torch.randn(5, 2, ng * per_group * hn, dtype=torch.float64, requires_grad=True)
+    q, k, v = unfuse_qkv(fused, np_, ng, hn, dim=-1)
+    assert k._base is not None and v._base is not None  # views of the projection output
+    rows = torch.arange(fused.shape[-1]).view(ng, per_group, hn)
+    q_rows = rows[:, : np_ // ng].reshape(np_, hn)
+    ups = [torch.randn_like(t) for t in (q, k, v)]
+    got = torch.autograd.grad((q, k, v), fused, ups)[0]
+    expected = torch.autograd.grad(
+        (fused[..., q_rows], fused[..., rows[:, -2]], fused[..., rows[:, -1]]), fused, ups
+    )[0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    for part, index in zip((q, k, v), (q_rows, rows[:, -2], rows[:, -1])):
+        assert torch.equal(part, fused[..., index])
