@@ -209,6 +209,8 @@ def model_settings(args) -> dict:
 
     The padded vocabulary is not one of them: Megatron loads the embedding and output layer
     across a change of padding (their `allow_shape_mismatch`)."""
-    from megatron_mea.variant import fields_of_scope
+    from megatron_mea.variant import variant_settings
 
-    return {name: getattr(args, name) for name in (*MODEL_SETTINGS, *fields_of_scope("model"))}
+    # variant_settings gives tuples for list-valued fields (YAML gives lists, code may use tuples).
+    return {**{name: getattr(args, name) for name in MODEL_SETTINGS},
+            **variant_settings(args, scopes=("model",))}
