@@ -34,6 +34,18 @@ def expert_tp_size(tp, ep):
     return 1 if ep > 1 else tp
 
 
+# The MoE part of the tiny configs: layer 2 of 2 is MoE, no load-balancing loss (losses then do not
+# depend on how tokens are sharded).
+TINY_MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=48,
+    moe_layer_freq=[0, 1],
+    moe_router_load_balancing_type="none",
+    moe_token_dispatcher_type="alltoall",
+)
+
+
 def tiny_config(variant="standard", *, tp=1, ep=1, sp=False, moe=True, **overrides):
     """A 2-layer GPT config (layer 1 dense, layer 2 MoE), GQA 8 heads / 4 groups, hn 8, RMSNorm
     q/k norms. No load-balancing loss, so losses do not depend on how tokens are sharded."""
@@ -54,14 +66,7 @@ def tiny_config(variant="standard", *, tp=1, ep=1, sp=False, moe=True, **overrid
         **CPU_EXACT,
     )
     if moe:
-        fields.update(
-            num_moe_experts=4,
-            moe_router_topk=2,
-            moe_ffn_hidden_size=48,
-            moe_layer_freq=[0, 1],
-            moe_router_load_balancing_type="none",
-            moe_token_dispatcher_type="alltoall",
-        )
+        fields.update(TINY_MOE)
     fields.update(overrides)
     return MEATransformerConfig(**fields)
 

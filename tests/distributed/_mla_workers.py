@@ -24,6 +24,7 @@ from megatron_mea.layers.kha_mla import MEAMLATransformerConfig
 from tests._models import (
     CPU_EXACT,
     SEQ,
+    TINY_MOE,
     VOCAB,
     batch,
     expert_tp_size,
@@ -33,7 +34,14 @@ from tests._models import (
     perturb_plugin_params,
     save_dist,
 )
-from tests.distributed._workers import _backward_in_micro_batches, _ddp, _my_sequences
+from tests.distributed._workers import (
+    _backward_in_micro_batches,
+    _ddp,
+    _my_sequences,
+    grad_differences,
+    reference_step,
+    save_main_grads,
+)
 
 # Distinct sizes, so that a matrix applied to the wrong channels fails loudly: content
 # dc = 16, RoPE dr = 8, value dv = 12.
@@ -88,14 +96,7 @@ def mla_config(variant="kha", *, tp=1, ep=1, sp=False, moe=True, **overrides):
     if variant == "kha":
         fields.update(kha_variant="linear")
     if moe:
-        fields.update(
-            num_moe_experts=4,
-            moe_router_topk=2,
-            moe_ffn_hidden_size=48,
-            moe_layer_freq=[0, 1],
-            moe_router_load_balancing_type="none",
-            moe_token_dispatcher_type="alltoall",
-        )
+        fields.update(TINY_MOE)
     fields.update(overrides)
     return MEAMLATransformerConfig(**fields)
 
@@ -135,12 +136,9 @@ def equivalence(rank, world_size, tp, ep, sp, workdir):
     parameter, and whether the knock gradients agree across TP ranks."""
     tokens, labels = batch(num_sequences=2)
     init_parallel(tp=1, ep=1)
-    reference = build_mla_gpt(mla_config())
-    perturb_plugin_params(reference)
-    ref_losses = forward_loss(reference, tokens, labels)
-    ref_losses.mean().backward()
-    ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
-    save_dist(reference, os.path.join(workdir, "weights"))
+    ref_losses, ref_grads = reference_step(
+        build_mla_gpt(mla_config()), tokens, labels, os.path.join(workdir, "weights")
+    )
 
     init_parallel(tp=tp, ep=ep)
     config = mla_config(tp=tp, ep=ep, sp=sp)
@@ -151,20 +149,15 @@ def equivalence(rank, world_size, tp, ep, sp, workdir):
     losses = _backward_in_micro_batches(model, tokens[mine], labels[mine], 1)
     finalize_model_grads([model])
     replicas = _knock_grads_identical_across_tp(parallel)
-    with torch.no_grad():
-        for param in parallel.parameters():
-            param.copy_(param.main_grad)
-    save_dist(parallel, os.path.join(workdir, "grads"))
+    save_main_grads(parallel, os.path.join(workdir, "grads"))
 
     init_parallel(tp=1, ep=1)
-    gathered = build_mla_gpt(mla_config())
-    load_dist(gathered, os.path.join(workdir, "grads"))
-    grad_diff = {
-        n: (p.detach() - ref_grads[n]).abs().max().item() for n, p in gathered.named_parameters()
-    }
+    grad_diff = grad_differences(
+        build_mla_gpt(mla_config()), os.path.join(workdir, "grads"), ref_grads
+    )
     return dict(
         losses=losses.detach(),
-        ref_losses=ref_losses.detach()[mine],
+        ref_losses=ref_losses[mine],
         grad_diff=grad_diff,
         grad_scale=max(g.abs().max().item() for g in ref_grads.values()),
         knock_shapes={n: tuple(p.shape) for n, p in parallel.named_parameters() if "knock." in n},

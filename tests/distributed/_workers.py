@@ -67,6 +67,36 @@ def _backward_in_micro_batches(model, tokens, labels, micro_batches):
     return torch.cat(losses)
 
 
+def reference_step(reference, tokens, labels, weights_dir):
+    """The TP=1 side: perturb `reference`'s plugin parameters, run the global batch forward and
+    backward, save its weights to `weights_dir` (for the parallel layout to load).
+
+    Returns: per-sequence losses `[b]`, {name: gradient}."""
+    perturb_plugin_params(reference)
+    losses = forward_loss(reference, tokens, labels)
+    losses.mean().backward()
+    save_dist(reference, weights_dir)
+    return losses.detach(), {n: p.grad.clone() for n, p in reference.named_parameters()}
+
+
+def save_main_grads(parallel, grads_dir):
+    """Write the parallel model's reduced gradients (`main_grad`, after finalize_model_grads) as
+    a model-shaped checkpoint, so that TP=1 reads each one back whole."""
+    with torch.no_grad():
+        for param in parallel.parameters():
+            param.copy_(param.main_grad)
+    save_dist(parallel, grads_dir)
+
+
+def grad_differences(gathered, grads_dir, ref_grads) -> dict:
+    """{name: max |gradient - reference gradient|}, the gradients read into the TP=1 model
+    `gathered` from `grads_dir`."""
+    load_dist(gathered, grads_dir)
+    return {
+        n: (p.detach() - ref_grads[n]).abs().max().item() for n, p in gathered.named_parameters()
+    }
+
+
 def equivalence(rank, world_size, variants, tp, ep, sp, workdir, micro_batches=1, fold_cache=False):
     """For each (name, fields): reference vs parallel losses and max |grad diff| per parameter.
 
@@ -77,12 +107,9 @@ def equivalence(rank, world_size, variants, tp, ep, sp, workdir, micro_batches=1
     for name, fields in variants:
         root = os.path.join(workdir, name)
         init_parallel(tp=1, ep=1)
-        reference = build_gpt(tiny_config(**fields))
-        perturb_plugin_params(reference)
-        ref_losses = forward_loss(reference, tokens, labels)
-        ref_losses.mean().backward()
-        ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
-        save_dist(reference, os.path.join(root, "weights"))
+        ref_losses, ref_grads = reference_step(
+            build_gpt(tiny_config(**fields)), tokens, labels, os.path.join(root, "weights")
+        )
 
         init_parallel(tp=tp, ep=ep)
         config = tiny_config(**fields, tp=tp, ep=ep, sp=sp)
@@ -97,22 +124,16 @@ def equivalence(rank, world_size, variants, tp, ep, sp, workdir, micro_batches=1
         mine = _my_sequences(tokens.shape[0])
         losses = _backward_in_micro_batches(model, tokens[mine], labels[mine], micro_batches)
         finalize([model])
-        with torch.no_grad():
-            for param in parallel.parameters():
-                param.copy_(param.main_grad)
-        save_dist(parallel, os.path.join(root, "grads"))
+        save_main_grads(parallel, os.path.join(root, "grads"))
 
         init_parallel(tp=1, ep=1)
-        gathered = build_gpt(tiny_config(**fields))
-        load_dist(gathered, os.path.join(root, "grads"))
-        grad_diff = {
-            n: (p.detach() - ref_grads[n]).abs().max().item()
-            for n, p in gathered.named_parameters()
-        }
+        grad_diff = grad_differences(
+            build_gpt(tiny_config(**fields)), os.path.join(root, "grads"), ref_grads
+        )
         grad_scale = max(g.abs().max().item() for g in ref_grads.values())
         results[name] = dict(
             losses=losses.detach(),
-            ref_losses=ref_losses.detach()[mine],
+            ref_losses=ref_losses[mine],
             grad_diff=grad_diff,
             grad_scale=grad_scale,
             folds=len(folds),
