@@ -10,6 +10,15 @@ HAVE_TE = find_spec("transformer_engine") is not None
 # NVIDIA Apex installs the `apex` package with `apex.normalization`; the unrelated PyPI project of
 # the same name does not have that submodule, so probe for it rather than for `apex`.
 HAVE_APEX = find_spec("apex") is not None and find_spec("apex.normalization") is not None
+# Apex's persistent LayerNorm kernel (what Megatron's `persist_layer_norm` selects).
+HAVE_APEX_PERSIST_LAYER_NORM = HAVE_APEX and find_spec("apex.contrib.layer_norm") is not None
+# The fused softmax kernels of Megatron's `FusedScaleMaskSoftmax` (`masked_softmax_fusion`):
+# top-level extension modules built by Apex (or by Megatron-LM's own fused_kernels).
+HAVE_FUSED_SOFTMAX = all(
+    find_spec(name) is not None
+    for name in ("scaled_masked_softmax_cuda", "scaled_upper_triang_masked_softmax_cuda",
+                 "scaled_softmax_cuda")
+)
 
 _EXTRAS = {
     "transformer_engine": ("Transformer Engine", "pip install 'megatron_mea[te]'"),

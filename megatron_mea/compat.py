@@ -16,6 +16,9 @@ What changed after 0.16.1, and the helper that absorbs it:
 - dist-ckpt stopped writing `common.pt`; the common state is a `ShardedObject` named
   `common_state` inside the checkpoint: :data:`COMMON_STATE_FILE`, :data:`COMMON_STATE_KEY`,
   and :func:`reads_common_state_from_index` (0.16.1 cannot read such a checkpoint).
+- `moe_utils` binds `te_general_gemm = None` when Transformer Engine is absent; 0.16 left the
+  name unbound, so every MoE router without TE (on a GPU as on a CPU) raised `NameError`:
+  :func:`bind_te_general_gemm_without_te`.
 """
 
 import functools
@@ -28,6 +31,7 @@ __all__ = [
     "COMMON_STATE_KEY",
     "MEGATRON_CORE_VERSION",
     "batch_on_this_cp_rank",
+    "bind_te_general_gemm_without_te",
     "legacy_grouped_gemm_kwargs",
     "materialize_only_last_token_logits",
     "reads_common_state_from_index",
@@ -99,3 +103,19 @@ def materialize_only_last_token_logits(context) -> bool:
     if config is not None and hasattr(config, "materialize_only_last_token_logits"):
         return config.materialize_only_last_token_logits
     return context.materialize_only_last_token_logits
+
+
+def bind_te_general_gemm_without_te() -> None:
+    """Give 0.16's `moe_utils` the `te_general_gemm = None` that later releases bind themselves.
+
+    0.16 imports `te_general_gemm` only inside its `try: import transformer_engine` block, and
+    the router's gating (`moe_utils.py:1192,1225`) tests `te_general_gemm is not None`: without
+    TE that line raises `NameError` on any device. `None` selects the torch matmul written beside
+    it, which is what 0.17+ runs without TE. The binding is permanent and idempotent, and a name
+    that is already bound (TE present, or a release that binds it) is never touched. The plugin's
+    local-backend spec builders call it for MoE models, before any router is built.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

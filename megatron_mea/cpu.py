@@ -14,11 +14,9 @@ P1 ``torch.cuda.current_device`` returns ``torch.device("cpu")`` (0.16, 0.19).
    175 times as a *device* argument (``transformer/moe/router.py:90`` in 0.16, ``:98`` in 0.19,
    ``tensor_parallel/mappings.py``, ``utils.py``...). Safe: without CUDA the original can only
    raise.
-P2 ``moe_utils.te_general_gemm = None`` when Transformer Engine is absent (0.16 only).
-   Symptom: ``NameError: te_general_gemm`` in the router gating (``moe_utils.py:1192,1225``);
-   0.16 binds the name only under ``try: import transformer_engine``. 0.19 binds it to None
-   itself (``moe_utils.py:41-53``), so the patch does nothing there.
-   Safe: ``None`` selects the torch matmul already written there.
+P2 (moved) 0.16's unbound ``moe_utils.te_general_gemm`` without Transformer Engine is not a CPU
+   problem: a GPU without TE fails the same way. :func:`megatron_mea.compat.
+   bind_te_general_gemm_without_te` fixes it wherever TE is absent; the spec builders call it.
 P3 ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` return a no-op CPU stream, and
    ``torch.cuda.synchronize`` is a no-op (0.16, 0.19). Symptom: ``RuntimeError: torch.cuda.Stream
    requires CUDA support`` in the alltoall dispatcher (``transformer/moe/token_dispatcher.py:445``
@@ -220,14 +218,6 @@ def _p1_current_device(patch: _Patcher) -> None:
     patch.replace(torch.cuda, "current_device", lambda: torch.device("cpu"))
 
 
-def _p2_te_general_gemm(patch: _Patcher) -> None:
-    from megatron.core.transformer.moe import moe_utils
-
-    # 0.16 leaves the name unbound exactly when the TE import failed; never shadow a real one.
-    if not hasattr(moe_utils, "te_general_gemm"):
-        patch.add(moe_utils, "te_general_gemm", None)
-
-
 def _p3_streams(patch: _Patcher) -> None:
     patch.replace(torch.cuda, "Stream", _CpuStream)
     patch.replace(torch.cuda, "current_stream", lambda device=None: _CPU_STREAM)
@@ -317,7 +307,6 @@ def _p9_clip_grads(patch: _Patcher) -> None:
 
 _PATCHES = (
     _p1_current_device,
-    _p2_te_general_gemm,
     _p3_streams,
     _p5_sequence_parallel_torch_norm,
     _p6_process_memory,

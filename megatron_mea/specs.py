@@ -25,7 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_mea._optional import require
-from megatron_mea.compat import legacy_grouped_gemm_kwargs
+from megatron_mea.compat import bind_te_general_gemm_without_te, legacy_grouped_gemm_kwargs
 from megatron_mea.layers import KHASelfAttention, MEASelfAttention
 from megatron_mea.layers.kha_mla import KHAMLASelfAttention, MLASDPADotProductAttention
 from megatron_mea.layers.sdpa_attention import SDPADotProductAttention
@@ -228,6 +228,8 @@ def get_gpt_layer_spec(
     num_experts = config.num_moe_experts if num_experts is None else (num_experts or None)
     moe_grouped_gemm = config.moe_grouped_gemm if moe_grouped_gemm is None else moe_grouped_gemm
     qk_layernorm = config.qk_layernorm if qk_layernorm is None else qk_layernorm
+    if num_experts:
+        bind_te_general_gemm_without_te()
     common = dict(
         num_experts=num_experts,
         moe_grouped_gemm=moe_grouped_gemm,
@@ -269,6 +271,8 @@ def get_gpt_decoder_block_spec(
     _check_core_attention(core_attention, use_transformer_engine, config.multi_latent_attention)
     if use_transformer_engine:
         require("transformer_engine", "use_transformer_engine=True")
+    if config.num_moe_experts:
+        bind_te_general_gemm_without_te()
     spec = mcore_specs.get_gpt_decoder_block_spec(
         config,
         use_transformer_engine,

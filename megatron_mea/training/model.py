@@ -1,6 +1,7 @@
 """Model side of `mea-pretrain`: the transformer config, the GPT model, DDP, optimizer, scheduler."""
 
 import logging
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mea import MEATransformerConfig, get_gpt_decoder_block_spec
+from megatron_mea.fusions import fusion_settings
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.variant import variant_settings
 
@@ -22,9 +24,18 @@ logger = logging.getLogger(__name__)
 PLUGIN_MATRICES = ("*.head_mix.*", "*.knock.*")
 
 
-def transformer_config(args: PretrainArgs, world_size: int = 1) -> MEATransformerConfig:
-    """Translate the run's arguments into an `MEATransformerConfig` (validates the variant)."""
-    on_gpu = torch.cuda.is_available()
+def transformer_config(
+    args: PretrainArgs, world_size: int = 1, on_gpu: Optional[bool] = None
+) -> MEATransformerConfig:
+    """Translate the run's arguments into an `MEATransformerConfig` (validates the variant).
+
+    Args:
+        args: the run's arguments.
+        world_size: the number of processes.
+        on_gpu: pick the fusions for a CUDA run (see `megatron_mea.fusions`). Default: whether
+            CUDA is available; tests pass True to build a GPU run's exact configuration on CPU.
+    """
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     fields = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -58,13 +69,7 @@ def transformer_config(args: PretrainArgs, world_size: int = 1) -> MEATransforme
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         fp8=args.fp8_format,
         fp8_recipe=args.fp8_recipe,
-        # CUDA-only fusions are used on GPUs; CPU runs take the plain torch paths.
-        use_cpu_initialization=not on_gpu,
-        bias_dropout_fusion=on_gpu,
-        masked_softmax_fusion=on_gpu,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=on_gpu,
+        **fusion_settings(on_gpu, args.normalization),
         **variant_settings(args),
     )
     if args.num_experts:
