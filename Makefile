@@ -32,32 +32,37 @@ clean:
 	rm -rf .venv .venv-mcore* build *.egg-info
 
 # ---- GPU acceptance (docs/gpu.md) -----------------------------------------------------------
-# `make gpu-wheels` (a machine with network) fills wheels/ with what a bare GPU machine (torch and
-# CUDA, nothing else, no network) lacks: megatron-core, numpy, pyyaml and psutil for each Python
-# in GPU_PYTHONS, pure-Python pytest (and its dependencies), tqdm and nvidia-ml-py, and this
-# package's wheel (about 41 MiB for two Pythons). Carry wheels/ to the GPU machine.
-GPU_PYTHONS ?= 3.11 3.12
+# `make gpu-wheels` (a machine with network; no venv needed) fills wheels/ with what a bare GPU
+# machine (torch and CUDA, nothing else, no network, perhaps no pip) lacks: megatron-core, numpy,
+# pyyaml and psutil for each Python in GPU_PYTHONS, pure-Python pytest (and its dependencies),
+# tqdm and nvidia-ml-py, and this package's wheel. The default targets the lent H200 machine
+# (Python 3.12, so megatron-core 0.19.2); e.g. GPU_PYTHONS=3.11 GPU_MCORE=0.16.1 for another.
+# Carry wheels/ to the GPU machine; scripts/gpu_acceptance.sh unpacks what it needs (no pip).
+GPU_PYTHONS ?= 3.12
+GPU_MCORE ?= 0.19.2
+GPU_WHEELS ?= wheels
+GPU_PIP := $(PYTHON) -m pip
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 	--platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64
 .PHONY: gpu-wheels
 gpu-wheels:
-	rm -rf wheels && mkdir -p wheels
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
 	for version in $(GPU_PYTHONS); do \
-		$(PIP) download --quiet --no-deps --only-binary=:all: --implementation cp \
-			--python-version $$version $(GPU_PLATFORMS) -d wheels \
-			"megatron-core==$(MCORE)" numpy pyyaml psutil || exit 1; \
+		$(GPU_PIP) download --quiet --no-deps --only-binary=:all: --implementation cp \
+			--python-version $$version $(GPU_PLATFORMS) -d $(GPU_WHEELS) \
+			"megatron-core==$(GPU_MCORE)" numpy pyyaml psutil || exit 1; \
 	done
-	$(PIP) download --quiet --no-deps --only-binary=:all: -d wheels pytest pluggy iniconfig \
-		pygments packaging pytest-timeout tqdm nvidia-ml-py
+	$(GPU_PIP) download --quiet --no-deps --only-binary=:all: -d $(GPU_WHEELS) pytest pluggy \
+		iniconfig pygments packaging pytest-timeout tqdm nvidia-ml-py
 	rm -rf build  # setuptools' staging folder: stale modules there would land in the wheel
-	$(PIP) wheel --quiet --no-deps --no-build-isolation -w wheels . && rm -rf build
-	@du -sh wheels && ls wheels
+	$(GPU_PIP) wheel --quiet --no-deps -w $(GPU_WHEELS) . && rm -rf build
+	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS)
 
-# On the GPU machine (PY=python3 there: no venv): install what it lacks from wheels/ and run every
-# GPU check (under 8 min); the report lands in $(GPU_OUT), by default $OUT if set.
+# On the GPU machine (no venv): install what it lacks from wheels/ and run every GPU check within
+# its 465 s budget; the report is packed into $(GPU_OUT), by default $OUT if set.
 # Without a GPU: make gpu-check GPU_CHECK_ARGS=--cpu-smoke
 GPU_OUT ?= $(or $(OUT),runs/gpu_acceptance)
 GPU_CHECK_ARGS ?=
 .PHONY: gpu-check
 gpu-check:
-	PYTHON=$(PY) bash scripts/gpu_acceptance.sh --out $(GPU_OUT) $(GPU_CHECK_ARGS)
+	PYTHON=$(PYTHON) bash scripts/gpu_acceptance.sh --out $(GPU_OUT) $(GPU_CHECK_ARGS)

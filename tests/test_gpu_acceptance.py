@@ -1,40 +1,110 @@
-"""`mea-gpu-acceptance` kept working without a GPU: its `--cpu-smoke` run end to end (every step
-but the CUDA-only ones), and its pieces (wheel selection, FLOP counts, peaks, checks, reports)."""
+"""`mea-gpu-acceptance` kept working without a GPU: its `--cpu-smoke` run end to end on a
+simulated GPU machine (offline install without pip, every step but the CUDA-only ones, the
+packed report), and its pieces (wheel choice and unpacking, FLOP counts, peaks, checks, reports)."""
 
 import json
 import os
 import socket
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
-from megatron_mea.acceptance import environment, report
+from megatron_mea.acceptance import environment, install, report
 from megatron_mea.cli import gpu_acceptance as acceptance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_cpu_smoke_runs_every_step_and_writes_the_report(tmp_path):
-    out = tmp_path / "out"
-    command = [sys.executable, "-m", "megatron_mea.cli.gpu_acceptance", "--cpu-smoke",
-               "--out", str(out)]
+def _bare_python(sim):
+    """A venv of this interpreter's Python without pip and without this venv's packages, where
+    only torch and the distributions it requires are installed (links to this venv's): the
+    GPU machine, which has torch and no megatron-core, no package index and perhaps no pip."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    subprocess.run([getattr(sys, "_base_executable", sys.executable), "-m", "venv",
+                    "--without-pip", str(sim)], check=True, timeout=300)
+    python = sim / "bin" / "python"
+    site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                           "['purelib'])"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    todo, seen = ["torch"], set()
+    while todo:
+        try:
+            dist = metadata.distribution(todo.pop())
+        except metadata.PackageNotFoundError:
+            continue  # an optional requirement this torch build does not use
+        name = dist.metadata["Name"].lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        for text in dist.requires or []:
+            requirement = Requirement(text)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(requirement.name)
+        for top in {file.parts[0] for file in dist.files or []} - {".."}:
+            link = os.path.join(site, top)
+            if not os.path.lexists(link):
+                os.symlink(dist.locate_file(top), link)
+    return python, seen
+
+
+def test_cpu_smoke_on_a_simulated_gpu_machine_installs_offline_and_packs_the_report(tmp_path):
+    """The acceptance run as the lent GPU machine runs it: wheels from `make gpu-wheels` for
+    this Python and Megatron-Core, unpacked without pip or an index into a bare interpreter that
+    has only torch; every step passes and at most six files come back."""
+    from megatron.core import package_info
+
+    python, present = _bare_python(tmp_path / "sim")
+    assert "torch" in present and "megatron-core" not in present
+    no_pip = subprocess.run([str(python), "-m", "pip", "--version"], capture_output=True)
+    assert no_pip.returncode != 0
+    wheels = tmp_path / "wheels"
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    subprocess.run(["make", "-s", "gpu-wheels", f"PYTHON={sys.executable}",
+                    f"GPU_PYTHONS={version}", f"GPU_MCORE={package_info.__version__}",
+                    f"GPU_WHEELS={wheels}"], cwd=ROOT, check=True, timeout=900,
+                   capture_output=True)
+    out, report = tmp_path / "out", tmp_path / "report"
+    command = ["bash", os.path.join(ROOT, "scripts", "gpu_acceptance.sh"), "--cpu-smoke",
+               "--out", str(out), "--report-dir", str(report)]
     # Called from a distributed process (as from this test session's gloo group), the run must
     # not reuse the caller's rendezvous: advertise a port that is taken.
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(taken.getsockname()[1]),
-                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                   RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", PYTHON=str(python),
+                   MEA_WHEELS=str(wheels), MEA_SITE=str(tmp_path / "site"),
+                   PIP_NO_INDEX="1")
+        env.pop("PYTHONPATH", None)
+        env.pop("VIRTUAL_ENV", None)
+        run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200,
                              env=env)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-3000:]
+    assert "[install]" in run.stdout and "megatron_core-" in run.stdout
+    # What comes back: at most six files, the rest in one archive.
+    assert sorted(os.listdir(out)) == ["acceptance.json", "console.log", "report.tar.gz",
+                                       "summary.txt"]
+    with tarfile.open(out / "report.tar.gz") as archive:
+        packed = set(archive.getnames())
+    assert {"gpu_tests.log", "gpu_tests.xml", "training.log", "decode.log",
+            "bench_h64-local.log"} <= packed
+    assert not any("data_cache" in name for name in packed)
+    assert "[acceptance] training: ok" in (out / "console.log").read_text()
     result = json.loads((out / "acceptance.json").read_text())
     assert result["mode"] == "cpu-smoke" and result["ok"]
     steps = result["steps"]
-    assert list(steps) == ["environment", "gpu_tests", "training", "layer_bench"]
-    assert all(step["ok"] for step in steps.values())
-    assert result["environment"]["megatron_core"].split()[0][0].isdigit()
+    assert list(steps) == ["environment", "gpu_tests", "training", "decode_bench",
+                           "megatron_lm", "layer_bench"]
+    # megatron-core and megatron_mea came from the wheels, not from this venv.
+    assert str(tmp_path / "site") in result["environment"]["megatron_core"]
+    assert result["environment"]["megatron_core"].startswith(package_info.__version__)
+    assert all(step["ok"] for name, step in steps.items() if name != "megatron_lm")
+    assert steps["megatron_lm"]["not_available"] and "megatron_lm" in result["skipped"]
     # The GPU tier is collected, and every test in it is skipped without CUDA.
     tests = steps["gpu_tests"]
     assert tests["tests"] >= 20 and tests["skipped"] == tests["tests"]
@@ -46,6 +116,14 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(tmp_path):
         assert row["tokens_per_s"] > 0 and row["model_tflops_per_s"] > 0
         assert row["mfu"] is None  # no peak for a CPU
     assert runs["baseline"]["step_time_ratio"] == 1.0
+    # Decoding: every variant at both contexts; MEA with half the components caches less.
+    decode = steps["decode_bench"]["rows"]
+    assert list(decode) == ["32", "64"]
+    for rows in decode.values():
+        assert set(rows) == {"baseline", "mea", "mea-half", "kha"}
+        assert rows["baseline"]["kv_bytes_vs_base"] == 1.0
+        assert rows["mea-half"]["kv_bytes_vs_base"] < 0.6
+        assert all(r["decode_tokens_per_s"] > 0 for r in rows.values())
     # The layer benchmark at both shapes, with both core attentions of the local spec.
     shapes = steps["layer_bench"]["shapes"]
     assert list(shapes) == ["h64-local", "h128-local"]
@@ -56,8 +134,7 @@ def test_cpu_smoke_runs_every_step_and_writes_the_report(tmp_path):
             assert all(r["layer_ms"] > 0 and r["layer_tflops"] > 0 for r in rows.values())
     summary = (out / "summary.txt").read_text()
     assert "PASSED" in summary and "mea-virtual" in summary and "core attention sdpa" in summary
-    for log in ("gpu_tests.log", "training.log", "bench_h64-local.log"):
-        assert (out / log).exists()
+    assert "[SKIPPED] megatron_lm" in summary and "mea-half" in summary
 
 
 def test_without_cuda_and_without_smoke_it_refuses(tmp_path, monkeypatch):
@@ -67,30 +144,62 @@ def test_without_cuda_and_without_smoke_it_refuses(tmp_path, monkeypatch):
     assert acceptance.main(["--out", str(tmp_path)]) == 2
 
 
-def test_missing_wheels_installs_pinned_packages_and_only_absent_others(tmp_path):
+def test_wheel_choice_pins_ours_keeps_installed_others_and_fits_this_python(tmp_path):
+    cp = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    other = "cp39" if cp != "cp39" else "cp310"
     for name in [
-        "megatron_core-0.16.1-cp311-cp311-manylinux_2_28_x86_64.whl",
-        "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+        f"megatron_core-0.16.1-{cp}-{cp}-manylinux_2_28_x86_64.whl",
+        f"megatron_core-0.16.1-{other}-{other}-manylinux_2_28_x86_64.whl",
         "megatron_mea-0.1.0-py3-none-any.whl",
         "pytest-9.0.0-py3-none-any.whl",  # installed here: kept
-        "numpy-2.4.6-cp311-cp311-manylinux_2_28_x86_64.whl",  # installed here: kept
+        f"numpy-2.4.6-{cp}-{cp}-manylinux_2_28_x86_64.whl",  # installed here: kept
         "Surely_Absent.Pkg-1.0-py3-none-any.whl",
+        "surely_absent_pkg-1.2-py3-none-any.whl",  # the newer of two that fit
+        f"surely_absent_win-1.0-{cp}-{cp}-win_amd64.whl",  # another platform
         "notes.txt",
     ]:
         (tmp_path / name).write_text("")
-    assert sorted(environment.missing_wheels(str(tmp_path))) == [
-        "megatron-core", "megatron-mea", "surely-absent-pkg"]
+    chosen = {w.name: os.path.basename(w.path) for w in install.wheels_to_install(str(tmp_path))}
+    assert sorted(chosen) == ["megatron-core", "megatron-mea", "surely-absent-pkg"]
+    assert chosen["megatron-core"].startswith(f"megatron_core-0.16.1-{cp}")
+    assert chosen["surely-absent-pkg"] == "surely_absent_pkg-1.2-py3-none-any.whl"
 
 
-def test_bootstrap_script_without_wheels_runs_the_module(tmp_path):
-    env = dict(os.environ, PYTHON=sys.executable, MEA_WHEELS=str(tmp_path / "none"))
-    (tmp_path / "w").mkdir()
-    (tmp_path / "w" / "surely_absent_pkg-1.0-py3-none-any.whl").write_text("")
-    run = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_acceptance.sh"),
-                          "--missing-wheels", str(tmp_path / "w")],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr
-    assert "no wheels" in run.stdout and "surely-absent-pkg" in run.stdout
+def test_unpacking_a_wheel_installs_it_and_refuses_paths_outside(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "demo_pkg-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("demo_pkg/__init__.py", "VALUE = 7\n")
+        archive.writestr("demo_pkg-1.0.dist-info/METADATA", "Name: demo-pkg\nVersion: 1.0\n")
+        archive.writestr("demo_pkg-1.0.data/purelib/demo_extra.py", "EXTRA = 1\n")
+        archive.writestr("demo_pkg-1.0.data/scripts/demo", "#!/bin/sh\n")
+    site = tmp_path / "site"
+    assert install.install_wheels(str(tmp_path), str(site)) == [wheel.name]
+    run = subprocess.run([sys.executable, "-c", "import demo_pkg, demo_extra; "
+                          "print(demo_pkg.VALUE + demo_extra.EXTRA)"],
+                         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(site)))
+    assert run.stdout.strip() == "8", run.stderr
+    evil = tmp_path / "evil" / "evil_pkg-1.0-py3-none-any.whl"
+    evil.parent.mkdir()
+    with zipfile.ZipFile(evil, "w") as archive:
+        archive.writestr("../escaped.py", "")
+    with pytest.raises(ValueError, match="leaves the folder"):
+        install.install_wheels(str(evil.parent), str(tmp_path / "site2"))
+    assert not (tmp_path / "escaped.py").exists()
+
+
+def test_pack_report_returns_at_most_four_files(tmp_path):
+    from megatron_mea.acceptance.pack import pack_report
+
+    report = tmp_path / "report"
+    report.mkdir()
+    for name in ("summary.txt", "acceptance.json", "console.log", "a.log", "b.xml", "c.json"):
+        (report / name).write_text(name)
+    assert pack_report(str(report), str(tmp_path / "out")) == [
+        "summary.txt", "acceptance.json", "console.log", "report.tar.gz"]
+    with tarfile.open(tmp_path / "out" / "report.tar.gz") as archive:
+        assert sorted(archive.getnames()) == ["a.log", "b.xml", "c.json"]
 
 
 @pytest.mark.parametrize("name,peak", [

@@ -1,4 +1,4 @@
-"""The machine an acceptance run meets: wheels to install first, versions, the GPU and its peak."""
+"""The machine an acceptance run meets: versions, the GPU and its peak."""
 
 import os
 import platform
@@ -25,39 +25,6 @@ PEAK_BF16_TFLOPS = (
     ("L4", 121.0),
     ("A10", 125.0),
 )
-
-# Always installed from wheels/ when present there (the versions the plugin was tested with);
-# other wheels only when their distribution is missing, so the machine's own builds are kept.
-ALWAYS_INSTALL = ("megatron-core", "megatron-mea")
-
-
-def _normalise(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-def missing_wheels(directory: str) -> List[str]:
-    """Distribution names of the wheels in `directory` that this interpreter should install:
-    those of `ALWAYS_INSTALL`, and any other whose distribution is not installed. Names only:
-    `pip --no-index --find-links` picks the wheel that fits this Python (wheels/ holds one per
-    Python version for compiled packages, not always of the same release)."""
-    from importlib import metadata
-
-    wanted = []
-    for filename in sorted(os.listdir(directory)):
-        if not filename.endswith(".whl"):
-            continue
-        name = _normalise(filename.split("-")[0])
-        if name in wanted:
-            continue
-        if name not in ALWAYS_INSTALL:
-            try:
-                metadata.version(name)
-                continue
-            except metadata.PackageNotFoundError:
-                pass
-        wanted.append(name)
-    return wanted
-
 
 def peak_bf16_tflops(device_name: Optional[str]) -> Optional[float]:
     """The dense bf16 peak of a GPU from its name, or None if unknown."""

@@ -19,6 +19,9 @@ class Plan:
     bench_shapes: List[tuple]
     bench_flags: List[str]
     bench_timeout_s: int  # per benchmark process
+    # decode benchmark: mea-bench-decode's flags (shape, context lengths, variants)
+    decode_flags: List[str]
+    decode_timeout_s: int
     budget_s: int  # the whole run; a step that no longer fits is skipped
 
 
@@ -37,7 +40,7 @@ GPU_PLAN = Plan(
     mode="gpu",
     test_timeout_s=240,
     train_flags=[*train_flags(12, 2048, 16, 4, 4096, iters=300, lr=3e-4, warmup=0.03), "--bf16"],
-    train_seconds=35.0,
+    train_seconds=30.0,
     warmup_seconds=5.0,
     train_timeout_s=300,
     bench_shapes=[(2048, 16, 4), (4096, 32, 8)],
@@ -47,6 +50,12 @@ GPU_PLAN = Plan(
         "--model-repeats", "8", "--vocab-size", "32768",
     ],
     bench_timeout_s=150,
+    decode_flags=[
+        "--bf16", "--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
+        "--num-query-groups", "4", "--vocab-size", "32768", "--context-lengths", "2048", "8192",
+        "--batch-size", "8", "--new-tokens", "64", "--repeats", "2",
+    ],
+    decode_timeout_s=120,
     budget_s=465,
 )
 
@@ -66,7 +75,13 @@ SMOKE_PLAN = Plan(
         "--model-repeats", "1", "--vocab-size", "128",
     ],
     bench_timeout_s=240,
-    budget_s=850,
+    decode_flags=[
+        "--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--num-query-groups", "2", "--vocab-size", "128", "--context-lengths", "32", "64",
+        "--new-tokens", "4", "--repeats", "1", "--threads", "1",
+    ],
+    decode_timeout_s=240,
+    budget_s=900,
 )
 
 # The three training runs: name -> the variant's mea-pretrain flags. MEA with virtual heads

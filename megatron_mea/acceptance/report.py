@@ -104,9 +104,16 @@ def junit_counts(path: str) -> dict:
     return counts
 
 
+def status(row: dict) -> str:
+    """`ok`, `SKIPPED` (not available on this machine: decides nothing) or `FAILED`."""
+    if row.get("not_available"):
+        return "SKIPPED"
+    return "ok" if row.get("ok") else "FAILED"
+
+
 def why(row: dict) -> str:
-    """The reason a step failed, for the log and the summary."""
-    for key in ("skipped", "error"):
+    """The reason a step failed or was skipped, for the log and the summary."""
+    for key in ("not_available", "out_of_time", "error"):
         if row.get(key):
             return str(row[key])
     if row.get("timed_out"):
@@ -135,8 +142,7 @@ def summary(result: dict) -> str:
                  f"{env.get('torch')} (CUDA {env.get('torch_cuda')}), TE "
                  f"{env.get('transformer_engine')}, megatron-core {env.get('megatron_core')}")
     for name, row in result["steps"].items():
-        status = "ok" if row.get("ok") else "FAILED"
-        lines.append(f"\n[{status}] {name} ({row.get('seconds', 0):.0f} s, "
+        lines.append(f"\n[{status(row)}] {name} ({row.get('seconds', 0):.0f} s, "
                      f"{row.get('cpu_seconds', 0):.0f} CPU-s)"
                      + ("" if row.get("ok") else f": {why(row)}"))
         if name == "gpu_tests" and "tests" in row:
@@ -147,7 +153,38 @@ def summary(result: dict) -> str:
             lines.extend(_training_lines(row))
         if name == "layer_bench" and "shapes" in row:
             lines.extend(_bench_lines(row))
+        if name == "decode_bench" and "rows" in row:
+            lines.extend(_decode_lines(row))
+        if name == "megatron_lm" and "runs" in row:
+            lines.extend(f"  {run:<14} {r}" for run, r in row["runs"].items())
+    if result.get("skipped"):
+        lines.append("\nskipped: " + "; ".join(f"{name} ({reason})"
+                                              for name, reason in result["skipped"].items()))
     return "\n".join(lines)
+
+
+def summarize_decode(bench: dict) -> dict:
+    """`mea-bench-decode --json`'s table: per context length and variant, KV-cache bytes and
+    decode tokens/s, each against the baseline of the same run."""
+    rows = {}
+    for row in bench["results"]:
+        rows.setdefault(str(row["context"]), {})[row["variant"]] = {
+            "kv_bytes": row["kv_bytes"], "kv_bytes_vs_base": row["kv_bytes_vs_base"],
+            "decode_tokens_per_s": row["decode_tokens_per_second"],
+            "speed_vs_base": row["speed_vs_base"]}
+    return {"setup": bench["setup"], "rows": rows}
+
+
+def _decode_lines(row: dict) -> List[str]:
+    setup = row["setup"]
+    lines = [f"  {setup['layers']} layers, hidden {setup['hidden']}, heads "
+             f"{setup['heads']}/{setup['groups']}, batch {setup['batch']}, {setup['dtype']}",
+             f"  {'context':>8} {'variant':>9} {'KV bytes':>8} {'tok/s':>10} {'vs base':>8}"]
+    for context, variants in row["rows"].items():
+        for variant, r in variants.items():
+            lines.append(f"  {context:>8} {variant:>9} {r['kv_bytes_vs_base']:>7.3f}x "
+                         f"{r['decode_tokens_per_s']:>10.1f} {r['speed_vs_base']:>7.3f}x")
+    return lines
 
 
 def _training_lines(row: dict) -> List[str]:

@@ -1,4 +1,5 @@
-"""The acceptance steps: environment, the GPU test tier, training, the layer benchmark.
+"""The acceptance steps: environment, the GPU test tier, training, the decode benchmark,
+Megatron-LM's own loop, the layer benchmark.
 
 Every step but the first runs in subprocesses of its own, under the run's time budget, with its
 output teed to a log under the output folder; `acceptance.json` is rewritten after each step.
@@ -19,8 +20,10 @@ from megatron_mea.acceptance.environment import describe_environment
 from megatron_mea.acceptance.plans import TRAIN_VARIANTS, Plan
 from megatron_mea.acceptance.report import (
     failure,
+    status,
     junit_counts,
     summarize_bench,
+    summarize_decode,
     summarize_run,
     summary,
     why,
@@ -42,13 +45,15 @@ class Runner:
 
     Args:
         plan: sizes and time limits (`GPU_PLAN` or `SMOKE_PLAN`).
-        out: the output folder (exists).
+        out: the report folder (exists): every log and record of the run.
         peak_tflops: the GPU's dense bf16 peak for MFU; None: from its name.
+        scratch: a folder for what is not part of the report (the mock-data cache).
     """
 
-    def __init__(self, plan: Plan, out: str, peak_tflops: Optional[float]):
+    def __init__(self, plan: Plan, out: str, peak_tflops: Optional[float], scratch: str):
         self.plan = plan
         self.out = out
+        self.scratch = scratch
         self.peak_override = peak_tflops
         self.started = time.perf_counter()
         self.cpu_s = 0.0  # CPU seconds of the step subprocesses (see write)
@@ -96,8 +101,8 @@ class Runner:
     def step(self, name: str, function, minimum_s: float) -> dict:
         """Run one step if at least `minimum_s` of the budget is left; record its result."""
         if self.remaining() < minimum_s:
-            row = {"ok": False, "skipped": f"out of time ({self.remaining():.0f} s left of "
-                                            f"{self.plan.budget_s} s)"}
+            row = {"ok": False, "out_of_time": f"out of time ({self.remaining():.0f} s left of "
+                                            f"{self.plan.budget_s} s, {minimum_s} s needed)"}
         else:
             logger.info("--- %s (%.0f s of the budget left)", name, self.remaining())
             start, start_cpu = time.perf_counter(), self._cpu()
@@ -111,8 +116,8 @@ class Runner:
             row["seconds"] = time.perf_counter() - start
             row["cpu_seconds"] = self._cpu() - start_cpu
         self.result["steps"][name] = row
-        logger.info("%s: %s (%.0f s)%s", name, "ok" if row.get("ok") else "FAILED",
-                    row.get("seconds", 0), "" if row.get("ok") else ": " + why(row))
+        logger.info("%s: %s (%.0f s)%s", name, status(row), row.get("seconds", 0),
+                    "" if row.get("ok") else ": " + why(row))
         self.write()
         return row
 
@@ -163,7 +168,9 @@ class Runner:
         """Step 3: the runs of `TRAIN_VARIANTS` in one worker process (after an unreported
         warm-up run); each must have finite, falling losses and no skipped step."""
         runs, notes = self._training_runs()
-        seconds = min(self.plan.train_seconds, max(5.0, (self.remaining() - 140) / 3 - 15))
+        # What the later steps need (decode ~45 s, Megatron-LM ~60 s, layer bench ~90 s on a GPU)
+        # stays in the budget; the three runs share the rest.
+        seconds = min(self.plan.train_seconds, max(5.0, (self.remaining() - 200) / 3 - 15))
         out = os.path.join(self.out, "training_raw.json")
         spec = os.path.join(self.out, "training_spec.json")
         with open(spec, "w", encoding="utf-8") as handle:
@@ -196,7 +203,7 @@ class Runner:
         else:
             extra += ["--core-attention", "sdpa"]
             notes.append("local spec, SDPA core attention")
-        cache = os.path.join(self.out, "data_cache")
+        cache = os.path.join(self.scratch, "data_cache")
         common = [*flags, *extra, "--mock-data", "--data-cache-path", cache, "--eval-iters", "0",
                   "--log-interval", "1000000", "--no-progress-bar", "--seed", "1234"]
         runs = []
@@ -239,10 +246,39 @@ class Runner:
         return {"ok": ok and bool(rows), "shapes": rows,
                 **({"failures": failures} if failures else {})}
 
+    def decode_bench(self) -> dict:
+        """Step: `mea-bench-decode` (greedy decoding from the static KV cache) at the plan's
+        context lengths: decode tokens/s and KV-cache bytes of each variant against the
+        baseline."""
+        path = os.path.join(self.out, "decode.json")
+        argv = [sys.executable, "-m", "megatron_mea.cli.bench_decode", *self.plan.decode_flags,
+                "--json", path]
+        run = self.subprocess(argv, "decode.log", min(self.plan.decode_timeout_s,
+                                                       self.remaining() - 5))
+        if run["returncode"] != 0 or not os.path.exists(path):
+            return {"ok": False, **failure(run, False)}
+        with open(path, encoding="utf-8") as handle:
+            table = summarize_decode(json.load(handle))
+        return {"ok": bool(table["rows"]), **table, **failure(run, True)}
+
+    def megatron_lm(self) -> dict:
+        """Step: Megatron-LM's own `pretrain_gpt.py`, a few bf16 steps with MEA and KHA, from
+        the Megatron-LM training package vendored in the checkout (skipped without one)."""
+        from megatron_mea.acceptance.megatron_lm import megatron_lm_runs
+
+        return megatron_lm_runs(self)
+
     def finish(self) -> int:
         """Record the verdict, write `acceptance.json` and `summary.txt`; the exit status (0
-        passed, 1 not)."""
-        self.result["ok"] = all(row.get("ok") for row in self.result["steps"].values())
+        passed, 1 not). A step that was not available here (`not_available`) is reported but
+        decides nothing; a step skipped for lack of time fails the run."""
+        steps = self.result["steps"]
+        self.result["ok"] = all(row.get("ok") for row in steps.values()
+                                if not row.get("not_available"))
+        self.result["skipped"] = {name: why(row) for name, row in steps.items()
+                                  if row.get("out_of_time") or row.get("not_available")}
+        for name, reason in self.result["skipped"].items():
+            logger.info("skipped: %s (%s)", name, reason)
         self.write()
         with open(os.path.join(self.out, "summary.txt"), "w", encoding="utf-8") as handle:
             handle.write(summary(self.result) + "\n")
