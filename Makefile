@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-fast demo clean
 
 # The venv sees system site-packages so that an installed torch (NVIDIA containers) is reused;
 # torch is installed (pinned; the CPU build where the index has one) only when none is importable.
@@ -24,6 +24,10 @@ setup: $(VENV)/.installed
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The quick tier for development (the tests marked slow in tests/conftest.py left out).
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" tests
 
 demo: setup
 	$(PY) -m megatron_mea.cli.demo

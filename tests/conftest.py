@@ -42,9 +42,45 @@ def _seed():
     torch.manual_seed(0)
 
 
+# The slow tier: multi-process worlds, kill drills, console scripts in subprocesses, the
+# acceptance smoke, the fuzzers. `make test-fast` (`pytest -m "not slow"`) leaves them out for
+# quick development loops; `make test` and CI run everything. Paths relative to the repository,
+# a file or a folder, or a node id prefix.
+SLOW = (
+    "tests/distributed/",
+    "tests/training/test_multinode.py",
+    "tests/training/test_pipeline.py",
+    "tests/training/test_pretrain.py",
+    "tests/training/test_reliability.py",
+    "tests/training/test_resharding.py",
+    "tests/training/test_lr_sweep.py",
+    "tests/training/test_gpu_configuration.py",
+    "tests/inference/test_tensor_parallel.py",
+    "tests/inference/test_imported_checkpoint.py",
+    "tests/inference/test_cli.py",
+    "tests/checkpoint/test_cli.py",
+    "tests/test_gpu_acceptance.py::test_cpu_smoke_on_a_simulated",
+    "tests/test_config_fuzz.py",
+    "tests/test_bench_attention.py",
+    "tests/test_console_scripts.py",
+    "tests/test_compat.py::test_batch_is_",
+    "tests/test_cpu_support.py::test_nothing_is_patched_when_cuda_is_available",
+    "tests/test_cpu_support.py::test_patches_are_undone_when_the_outermost_block_ends",
+    "tests/layers/test_sdpa_attention.py::test_sdpa_equals_megatrons_core_attention_at_tp2",
+    "tests/checkpoint/test_hf_roundtrip.py::test_logits_at_tp2",
+    "tests/integrations/test_examples_dry_run.py",
+    "tests/integrations/test_compress_example.py",
+)
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` (the tier in tests/gpu, `pytest -m gpu`) need a CUDA device: skipped
-    without one."""
+    """Marks the `SLOW` tests `slow`. Tests marked `gpu` (the tier in tests/gpu, `pytest -m
+    gpu`) need a CUDA device: skipped without one."""
+    for item in items:
+        node = os.path.relpath(str(item.path), _ROOT) + "::" + item.name
+        if node.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (the GPU tier: pytest -m gpu)")
