@@ -19,7 +19,9 @@ Training FLOPs per token follow Megatron-LM's `num_floating_point_operations` co
 excluded, output layer and router included) plus causal attention `2 * 2 * np * hn * s / 2` per
 layer, plus the variants' own small matmuls (HLC `2 * 2*nc*ng*hn`, KHA `2*hn^2` per head and target).
 KV-cache bytes per token: `2 (K and V) * L * nkv * hn * bytes_per_element`; MEA with virtual heads
-caches only the `nc` components.
+caches only the `nc` components, plus (with an RMS k norm) one inverse RMS per composite key
+(`ng` scalars per token and layer, in the cache dtype); with a LayerNorm k norm the composites
+(`kv_cache_elements`, as `layers/kv_cache.py` lays the cache out).
 """
 
 import dataclasses
@@ -151,6 +153,24 @@ def variant_forward_flops(shape: ModelShape, layer: int = 0) -> int:
     return 0
 
 
+def kv_cache_elements(shape: ModelShape, layer: int = 0) -> int:
+    """Cache elements per token of 0-based `layer`: K and V of the heads the cache holds, plus
+    the key scales of MEA's component cache (the layout of `layers/kv_cache.py`).
+
+    MEA with `nc < ng` caches the `nc` components; with a k norm (`qk_layernorm`) it also keeps
+    the inverse RMS of each of the `ng` composite keys, and a LayerNorm k norm (whose mean and
+    bias do not factor out of the mix) makes it cache the `ng` composites instead. Every other
+    layer caches its `ng` K/V heads."""
+    hn, ng, nkv = shape.kv_channels, shape.num_query_groups, shape.kv_heads(layer)
+    if shape.layer_variant(layer) != "mea" or nkv == ng:
+        return 2 * ng * hn
+    if not shape.qk_layernorm:
+        return 2 * nkv * hn
+    if shape.normalization != "RMSNorm":
+        return 2 * ng * hn
+    return 2 * nkv * hn + ng
+
+
 def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
     """Total and active parameters, training FLOPs per token and KV-cache bytes per token.
 
@@ -196,9 +216,8 @@ def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
         "embedding_params": embedding + output,
         "expert_params": experts_total,
         "training_flops_per_token": int(3 * forward),
-        "kv_cache_bytes_per_token": 2 * sum(
-            shape.kv_heads(layer) * shape.kv_channels * bytes_per_element
-            for layer in range(shape.num_layers)
+        "kv_cache_bytes_per_token": bytes_per_element * sum(
+            kv_cache_elements(shape, layer) for layer in range(shape.num_layers)
         ),
         "kv_heads_stored": shape.kv_heads_stored,
     }
