@@ -75,6 +75,16 @@ def test_mea_llama3_follows_the_papers_recipe(mode, schedule, iters):
     assert "--lr-warmup-fraction" not in command
 
 
+@pytest.mark.parametrize("mode,variant,lr", [("final", "mea", "3e-3"), ("final", "baseline", "1e-3"),
+                                              ("lr-grid", "mea", "1e-3")])
+def test_mea_llama3_default_lr_is_the_papers(mode, variant, lr):
+    # The final MEA run used 3e-3, MEA's largest stable LR; the baseline's final run 1e-3.
+    result = run_example("mea_llama3_1b.sh", VARIANT=variant, MODE=mode)
+    assert result.returncode == 0, result.stdout + result.stderr
+    command = next(line for line in result.stdout.splitlines() if "torchrun" in line)
+    assert f" --lr {lr} " in f"{command} "
+
+
 def test_bad_launch_is_rejected_with_the_reason():
     result = run_example("kha_moe_6b_a1b.sh", VARIANT="mea", EP="16")  # 8 GPUs cannot hold EP 16
     assert result.returncode == 1
