@@ -56,6 +56,9 @@ NATIVE = [
     ("mixtral", "mea", {"mea_head_norm": True}),
     ("qwen2", "kha", {"kha_variant": "mlp"}),
     ("qwen3_moe", "kha", {"kha_variant": "mlp"}),
+    # The KHA paper's ablations: the MLP on q, k and v; the gate alone.
+    ("qwen3", "kha", {"kha_variant": "mlp", "kha_targets": ["q", "k", "v"]}),
+    ("llama", "kha", {"kha_variant": "gate", "kha_targets": ["q", "v"]}),
 ]
 
 

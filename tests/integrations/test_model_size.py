@@ -58,6 +58,14 @@ def test_variant_parameter_overheads_match_the_papers():
     assert kha_mlp - base == L * 3 * hn * hn
     assert kha_lin - base == L * 2 * hn * hn
     assert mea - base == L * (2 * ng * ng + np_ * hn)
+    # The KHA paper's ablations: the MLP on q, k and v; the gate alone on v.
+    mlp_qkv = ModelShape(**KHA_6B, attention_variant="kha", kha_targets=("q", "k", "v"))
+    gate = ModelShape(**KHA_6B, attention_variant="kha", kha_variant="gate")
+    assert model_size(mlp_qkv)["total_params"] - base == L * 9 * hn * hn
+    assert model_size(gate)["total_params"] - base == L * hn * hn
+    flops = model_size(mlp_qkv)["training_flops_per_token"] - model_size(
+        ModelShape(**KHA_6B))["training_flops_per_token"]
+    assert flops == 3 * L * 3 * 2 * hn * hn * (np_ + 2 * ng)  # 3 (fwd+bwd) x 3 matrices per head
 
 
 def test_llama_3_2_1b_shape_has_its_published_size():
