@@ -74,7 +74,10 @@ def export_for_evaluation(load_dir: str, save_dir: str, tokenizer: Optional[str]
     """
     import torch
 
-    written = export_hf_checkpoint(load_dir, save_dir, format=format, dtype=torch.float32)
+    from megatron_mea.cpu import megatron_on_cpu
+
+    with megatron_on_cpu():  # the export builds the Megatron model (on `meta`) to read shapes
+        written = export_hf_checkpoint(load_dir, save_dir, format=format, dtype=torch.float32)
     with open(os.path.join(save_dir, "config.json"), encoding="utf-8") as handle:
         vocab_size = json.load(handle)["vocab_size"]
     byte_level_fits = vocab_size >= BYTE_LEVEL_VOCAB
