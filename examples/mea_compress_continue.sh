@@ -5,8 +5,8 @@
 #   2. optionally rank the layers by the loss of compressing each alone (PROBE=1: mea-convert probe);
 #   3. compress K/V of the chosen layers by an SVD over heads (mea-convert compress); the layers left
 #      out stay standard attention, as in the paper;
-#   4. continue pretraining (mea-pretrain): AdamW (weight decay 0.1, betas 0.9 / 0.95), peak LR
-#      1.6e-5, linear warm-up, cosine decay to 0, ~68M-token batches (16384 x 4096), ~22B tokens.
+#   4. continue pretraining (mea-pretrain): AdamW, peak LR 1.6e-5, linear warm-up, cosine decay
+#      to 0, ~68M-token batches (16384 x 4096), ~22B tokens.
 #
 # The paper's layer settings (LAYERS=): all (all 48 layers), paper-half (Hugging Face layers
 # 11-34, 0-based), all-but-first-3. Full compression needs a longer recovery stage in the paper
@@ -14,6 +14,7 @@
 #
 # Assumptions, where the paper leaves a number open or its numbers conflict:
 # - sequence length 4096 (16384 sequences = 67.1M tokens per step);
+# - AdamW's weight decay 0.1 and betas 0.9 / 0.95 (the paper names AdamW only);
 # - warm-up: the paper's 1,000 steps exceed the ~328 steps that 22B tokens make at 68M tokens per
 #   step, so WARMUP_ITERS defaults to 1,000 only for runs longer than 10,000 steps and to 10% of
 #   the steps otherwise (set WARMUP_ITERS to choose);

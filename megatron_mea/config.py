@@ -23,6 +23,7 @@ MEA_MIX_INITS = choices("mea_mix_init")
 MEA_TP_EXCHANGES = choices("mea_tp_exchange")
 KHA_VARIANTS = choices("kha_variant")
 KHA_TARGETS = choices("kha_targets")
+KHA_INITS = choices("kha_init")
 
 # Megatron features that bypass the Python q/k/v path the variants hook into, or that change the
 # attention module altogether. Each maps to the reason shown to the user.
@@ -176,6 +177,11 @@ class MEATransformerConfig(AttentionVariantFields, TransformerConfig):
                 "cached token's value head would have to be rebuilt, which defeats MLA's "
                 "latent KV cache and its absorbed decoding"
             )
+        if self.kha_init != "identity":
+            raise ValueError(
+                f"kha_init ({self.kha_init!r}) is not supported with multi_latent_attention=True: "
+                "the MLA module starts from the identity only"
+            )
         if self.kha_fold_linear:
             raise ValueError(
                 "kha_fold_linear=True is not supported with multi_latent_attention=True: it "
@@ -327,11 +333,8 @@ class MEATransformerConfig(AttentionVariantFields, TransformerConfig):
                 f"kha_targets ({targets}) must be a non-empty subset of {KHA_TARGETS} without "
                 "repeats"
             )
-        if self.kha_variant == "mlp" and targets != ("v",):
-            raise ValueError(
-                f"kha_targets ({targets}) must be ('v',) with kha_variant='mlp': the KHA MLP acts "
-                "on values only"
-            )
+        if self.kha_init not in KHA_INITS:
+            raise ValueError(f"kha_init ({self.kha_init!r}) must be one of {KHA_INITS}")
         # Canonical order, so that parameter creation (and checkpoints) do not depend on it.
         self.kha_targets = tuple(x for x in KHA_TARGETS if x in targets)
         if self.kha_fold_linear and self.kha_variant != "linear":

@@ -8,8 +8,8 @@ What is counted (Megatron-Core's GPTModel, the parameters a checkpoint holds):
 - embedding `V*h` (+ `s*h` for learned absolute positions); output layer `V*h` unless tied;
 - per layer: input norm, `linear_qkv` `h*(np + 2*nkv)*hn` with `nkv = nc` for MEA (the projection
   produces component heads) and `ng` otherwise, `linear_proj` `np*hn*h`, q/k norms `2*hn`,
-  MEA `head_mix` `2*nc*ng` and `head_norm` `np*hn`, KHA `hn^2` per target (`linear`) or `3*hn^2`
-  (`mlp`), pre-MLP norm, then a dense MLP `(2 if swiglu else 1)*h*f + f*h` or, on MoE layers, a
+  MEA `head_mix` `2*nc*ng` and `head_norm` `np*hn`, KHA `hn^2` per target (`linear`, `gate`) or
+  `3*hn^2` (`mlp`), pre-MLP norm, then a dense MLP `(2 if swiglu else 1)*h*f + f*h` or, on MoE layers, a
   router `h*E`, `E` experts of `(2|1)*h*fe + fe*h` and the shared expert if any;
 - a final norm `h`. Biases where `add_bias_linear` / `add_qkv_bias`; LayerNorm counts weight+bias.
 MTP layers are not counted. Active parameters count `k` of the `E` routed experts per MoE layer.
@@ -17,15 +17,18 @@ MTP layers are not counted. Active parameters count `k` of the `E` routed expert
 Training FLOPs per token follow Megatron-LM's `num_floating_point_operations` convention:
 `3 * (forward)` where forward is `2 * (active matmul parameters)` (input embedding and norms
 excluded, output layer and router included) plus causal attention `2 * 2 * np * hn * s / 2` per
-layer, plus the variants' own small matmuls (HLC `2 * 2*nc*ng*hn`, KHA `2*hn^2` per head and target).
+layer, plus the variants' own small matmuls (HLC `2 * 2*nc*ng*hn`, KHA `2*hn^2` per head, target
+and matrix).
 KV-cache bytes per token: `2 (K and V) * L * nkv * hn * bytes_per_element`; MEA with virtual heads
-caches only the `nc` components.
+caches only the `nc` components, plus (with an RMS k norm) one inverse RMS per composite key
+(`ng` scalars per token and layer, in the cache dtype); with a LayerNorm k norm the composites
+(`kv_cache_elements`, as `layers/kv_cache.py` lays the cache out).
 """
 
 import dataclasses
 from typing import Optional, Union
 
-from megatron_mea.variant import AttentionVariantFields
+from megatron_mea.variant import KHA_MATRICES, AttentionVariantFields
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -133,7 +136,7 @@ def attention_params(shape: ModelShape, layer: int = 0) -> dict:
     if variant == "mea":
         extra += (2 * nkv * ng if shape.mea_hlc else 0) + (np_ * hn if shape.mea_head_norm else 0)
     elif variant == "kha":
-        extra += (3 if shape.kha_variant == "mlp" else len(shape.kha_targets)) * hn * hn
+        extra += len(KHA_MATRICES[shape.kha_variant]) * len(shape.kha_targets) * hn * hn
     return {"matmul": matmul, "extra": extra}
 
 
@@ -144,11 +147,28 @@ def variant_forward_flops(shape: ModelShape, layer: int = 0) -> int:
     if variant == "mea":
         return 2 * 2 * shape.kv_heads(layer) * ng * hn if shape.mea_hlc else 0
     if variant == "kha":
-        if shape.kha_variant == "mlp":
-            return 3 * 2 * hn * hn * ng
         heads = {"q": np_, "k": ng, "v": ng}
-        return sum(2 * hn * hn * heads[t] for t in shape.kha_targets)
+        matrices = len(KHA_MATRICES[shape.kha_variant])
+        return sum(matrices * 2 * hn * hn * heads[t] for t in shape.kha_targets)
     return 0
+
+
+def kv_cache_elements(shape: ModelShape, layer: int = 0) -> int:
+    """Cache elements per token of 0-based `layer`: K and V of the heads the cache holds, plus
+    the key scales of MEA's component cache (the layout of `layers/kv_cache.py`).
+
+    MEA with `nc < ng` caches the `nc` components; with a k norm (`qk_layernorm`) it also keeps
+    the inverse RMS of each of the `ng` composite keys, and a LayerNorm k norm (whose mean and
+    bias do not factor out of the mix) makes it cache the `ng` composites instead. Every other
+    layer caches its `ng` K/V heads."""
+    hn, ng, nkv = shape.kv_channels, shape.num_query_groups, shape.kv_heads(layer)
+    if shape.layer_variant(layer) != "mea" or nkv == ng:
+        return 2 * ng * hn
+    if not shape.qk_layernorm:
+        return 2 * nkv * hn
+    if shape.normalization != "RMSNorm":
+        return 2 * ng * hn
+    return 2 * nkv * hn + ng
 
 
 def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
@@ -196,9 +216,8 @@ def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
         "embedding_params": embedding + output,
         "expert_params": experts_total,
         "training_flops_per_token": int(3 * forward),
-        "kv_cache_bytes_per_token": 2 * sum(
-            shape.kv_heads(layer) * shape.kv_channels * bytes_per_element
-            for layer in range(shape.num_layers)
+        "kv_cache_bytes_per_token": bytes_per_element * sum(
+            kv_cache_elements(shape, layer) for layer in range(shape.num_layers)
         ),
         "kv_heads_stored": shape.kv_heads_stored,
     }

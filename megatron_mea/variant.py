@@ -75,14 +75,22 @@ class AttentionVariantFields:
     step with `megatron_mea.layers.enable_fold_cache`). `auto` takes, per micro-batch, whichever
     sends fewer elements. All three compute the same model."""
 
-    kha_variant: Optional[Literal["linear", "mlp"]] = _scoped(None, "model")
-    """KHA: `linear` (a shared `hn x hn` matrix per target) or `mlp` (gated MLP on V only).
-    Default by model, following the KHA paper's ablations: `mlp` for MoE models, `linear` for
-    dense ones and with MLA (`default_kha_variant`)."""
+    kha_variant: Optional[Literal["linear", "mlp", "gate"]] = _scoped(None, "model")
+    """KHA: `linear` (a shared `hn x hn` matrix per target), `mlp` (a shared gated MLP per
+    target, `2 * ((x W_up) * sigmoid(x W_gate)) W_down`) or `gate` (the gate alone,
+    `2 * x * sigmoid(x W_gate)`: the KHA paper's gate-only ablation). Default by model,
+    following the KHA paper's ablations: `mlp` for MoE models, `linear` for dense ones and with
+    MLA (`default_kha_variant`)."""
 
     kha_targets: Optional[Tuple[KHATarget, ...]] = _scoped(None, "model")
     """KHA: which of q, k, v are transformed. Default ("q", "k", "v") for `linear`, ("v",) for
-    `mlp` (the only allowed value there)."""
+    `mlp` and `gate` (the paper's main setting; its ablations also put the MLP on q, on k and on
+    q, k and v)."""
+
+    kha_init: Literal["identity", "random"] = _scoped("identity", "init")
+    """KHA: initial matrices. `identity` (the paper's): identity matrices and a zero gate, so a
+    fresh layer computes the baseline. `random` (the paper's Section 3.3 ablation): every matrix
+    drawn from N(0, 1/hn)."""
 
     kha_fold_linear: bool = _scoped(False, "training")
     """KHA-Linear: fold the matrices into the rows of `linear_qkv` (`T^T W` per head) and project
@@ -107,6 +115,12 @@ class AttentionVariantFields:
                 self.kha_targets = default_kha_targets(self.kha_variant)
 
 
+# The `[hn, hn]` matrices of one KHA target, by `kha_variant`, in the order the transform takes
+# them (`ops.functional.kha_transform`); target `t`'s parameters are named `f"{t}_{name}"`
+# (`q_weight`, `v_up`, `v_gate`...).
+KHA_MATRICES = {"linear": ("weight",), "mlp": ("up", "gate", "down"), "gate": ("gate",)}
+
+
 def default_kha_variant(moe: bool, multi_latent_attention: bool = False) -> str:
     """KHA paper: the MLP variant helps MoE models most, the linear one dense models; on MLA
     only the linear one works."""
@@ -114,7 +128,7 @@ def default_kha_variant(moe: bool, multi_latent_attention: bool = False) -> str:
 
 
 def default_kha_targets(kha_variant: str) -> Tuple[str, ...]:
-    return ("v",) if kha_variant == "mlp" else choices("kha_targets")
+    return choices("kha_targets") if kha_variant == "linear" else ("v",)
 
 
 VARIANT_FIELDS = tuple(f.name for f in dataclasses.fields(AttentionVariantFields))

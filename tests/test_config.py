@@ -18,13 +18,10 @@ def make(**fields):
     [
         (dict(attention_variant="mla"), r"attention_variant \('mla'\) must be one of"),
         (dict(attention_variant="kha", kha_variant="conv"), r"kha_variant \('conv'\)"),
+        (dict(attention_variant="kha", kha_init="eye"), r"kha_init \('eye'\) must be one of"),
         (
-            dict(attention_variant="kha", kha_variant="mlp", kha_targets=("q", "v")),
-            r"kha_targets \(\('q', 'v'\)\) must be \('v',\) with kha_variant='mlp'",
-        ),
-        (
-            dict(attention_variant="kha", kha_variant="mlp", kha_targets=("k",)),
-            r"kha_targets .* must be \('v',\)",
+            dict(attention_variant="kha", kha_variant="gate", kha_fold_linear=True),
+            r"kha_fold_linear=True needs kha_variant='linear' \(got 'gate'\)",
         ),
         (dict(attention_variant="kha", kha_targets=("x",)), r"kha_targets \(\('x',\)\)"),
         (dict(attention_variant="kha", kha_targets=()), r"kha_targets \(\(\)\) must be a non-empty"),

@@ -33,6 +33,7 @@ NON_DEFAULTS = dict(
     kha_variant="linear",
     kha_targets=("q", "v"),
     kha_fold_linear=True,
+    kha_init="random",
 )
 
 

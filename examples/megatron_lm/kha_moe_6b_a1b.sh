@@ -3,6 +3,9 @@
 # 4 KV heads of dim 128, QK RMSNorm, sequence 8192, 4.2M-token batches, 1T tokens.
 # Layers (24), hidden size (1408), expert width (416) and vocabulary (Llama-3, 128256) are not in the
 # paper; they are chosen to land on 6.1B / 1.01B (examples/README.md; mea-model-size).
+# Vocabulary: the paper's own parameter counts of its smaller models (Tables 3 and 5) fit an untied
+# vocabulary of about 78.5k, not 128256. This shape reaches 6.1B / 1.01B only with 128256; with a
+# 78.5k vocabulary it has 5.93B / 0.87B, and a 6.1B / 1.01B model needs a larger body.
 #
 #   VARIANT=baseline|kha-mlp|mea   standard attention, KHA-MLP on V (the paper's MoE setting),
 #                                  or MEA (MEA_NC component KV heads, default 4 = no compression)

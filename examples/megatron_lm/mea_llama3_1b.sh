@@ -12,7 +12,9 @@
 # 19.9M tokens), Adam betas 0.9 / 0.95, gradient clipping 1.0, init std 0.02, no dropout.
 #
 #   VARIANT=mea|baseline   MEA (HLC + head norm) or standard attention
-#   LR                     peak learning rate (default 1e-3)
+#   LR                     peak learning rate; default 1e-3, but 3e-3 for MODE=final VARIANT=mea:
+#                          the paper's final MEA run used 3e-3, the largest LR of its grid at
+#                          which MEA trained stably (Sections 5.1.2-5.1.3); 1e-3 for the others
 #   TP, PP, MBS            parallel sizes and micro-batch (defaults 1, 1, 4)
 #   DATA_PATH, TOKENIZER_MODEL, CHECKPOINT_DIR, TRAIN_TOKENS (default: 50e9, or 500e9 for final)
 # plus the launch settings of common.sh (LAUNCH, NNODES, PRECISION, DRY_RUN, ...). The grid:
@@ -24,7 +26,9 @@ SCRIPT="$MEA_EXAMPLES_DIR/$(basename "${BASH_SOURCE[0]}")"
 LR_GRID="1e-4 5e-4 1e-3 3e-3"
 MODE=${MODE:-lr-grid}
 VARIANT=${VARIANT:-mea}
-LR=${LR:-1e-3}
+DEFAULT_LR=1e-3
+[ "$MODE" = final ] && [ "$VARIANT" = mea ] && DEFAULT_LR=3e-3
+LR=${LR:-$DEFAULT_LR}
 TP=${TP:-1}
 PP=${PP:-1}
 MBS=${MBS:-4}

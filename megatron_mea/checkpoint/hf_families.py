@@ -165,12 +165,8 @@ VARIANT_PARAMS = (
     "head_mix.key_weight",
     "head_mix.value_weight",
     "head_norm.weight",
-    "knock.q_weight",
-    "knock.k_weight",
-    "knock.v_weight",
-    "knock.v_up",
-    "knock.v_gate",
-    "knock.v_down",
+    *(f"knock.{target}_{matrix}" for target in "qkv"
+      for matrix in ("weight", "up", "gate", "down")),
 )
 
 

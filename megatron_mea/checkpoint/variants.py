@@ -31,7 +31,7 @@ def upcycle_init(name: str, shape, dtype: torch.dtype) -> torch.Tensor:
     leaf = name.rsplit(".", 2)[-2:]
     if leaf[0] == "head_norm":
         return torch.ones(shape, dtype=dtype)
-    if leaf[1] == "v_gate":
+    if leaf[0] == "knock" and leaf[1].endswith("_gate"):
         return torch.zeros(shape, dtype=dtype)
     if leaf[0] in ("head_mix", "knock"):
         if shape[0] != shape[1]:

@@ -12,6 +12,11 @@ interrupted run resumes from its last checkpoint. Outputs in --out: summary.txt 
 (the table), loss_vs_step.png (one panel per LR), final_loss_vs_lr.png, runs/<variant>/lr<lr>/
 (checkpoints, metrics.jsonl, train.log). The definitions of spike, divergence and largest stable
 LR are in `megatron_mea.training.sweep` and at the foot of the table.
+
+Beside each run's verdict, the MEA paper's loss law `L(D) = (D_c / D)^alpha + L0` (its App. D)
+fitted to the run's losses after warm-up, where the run has at least --fit-min-steps of them:
+the fitted `L0` and the loss it predicts at --predict-tokens (`megatron_mea.training.sweep_fit`;
+summary.json holds each run's fit under "fit").
 """
 
 import argparse
@@ -33,6 +38,7 @@ from megatron_mea.training.sweep import (
     summarize_run,
     to_json,
 )
+from megatron_mea.training.sweep_fit import fit_run, format_fits
 from megatron_mea.training.sweep_runs import (
     PRETRAIN_MODULE,
     SweepRunError,
@@ -138,6 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--divergence-rise", type=float, default=rule.divergence_rise,
                         help=f"final over best. Default: {rule.divergence_rise}")
     parser.add_argument("--max-spikes", type=int, help="spikes allowed in a 'stable' run")
+    parser.add_argument("--fit-min-steps", type=int, default=50,
+                        help="steps after warm-up a run needs for the loss-law fit. Default: 50")
+    parser.add_argument("--predict-tokens", type=float,
+                        help="token count at which the fitted law predicts the loss. Default: "
+                             "10 x the tokens of one run")
     parser.add_argument("--summary-only", action="store_true",
                         help="train nothing: judge the runs already in --out (with the settings "
                              "saved there) and redraw")
@@ -232,6 +243,29 @@ def train_all(settings: SweepSettings, config_path: str, rule: StabilityRule) ->
     bar.close()
 
 
+def fit_all(settings: SweepSettings, summaries, curves, min_steps: int, predict_tokens=None):
+    """(fit table, JSON section, {(variant, lr): fit JSON or None}) of every run's loss law."""
+    config = settings.train_config
+    missing = [k for k in ("global_batch_size", "seq_length") if config.get(k) is None]
+    if missing:
+        raise ValueError(f"the loss-law fit needs {missing} in the sweep's training settings")
+    tokens_per_step = int(config["global_batch_size"]) * int(config["seq_length"])
+    if predict_tokens is None:
+        predict_tokens = 10.0 * settings.train_iters * tokens_per_step
+    rows, fits = [], {}
+    for s in summaries:
+        fit = fit_run(curves.get((s.variant, s.lr), []), tokens_per_step, settings.warmup_steps,
+                      min_steps)
+        verdict = "diverged" if s.diverged else ("stable" if s.status != "incomplete" else
+                                                 "unfinished")
+        rows.append((s.variant, s.lr, verdict, fit))
+        fits[(s.variant, s.lr)] = None if fit is None else fit.to_json(predict_tokens)
+    section = {"law": "L(D) = (D_c / D)^alpha + L0, D = training tokens seen",
+               "tokens_per_step": tokens_per_step, "min_steps": min_steps,
+               "predict_tokens": predict_tokens}
+    return format_fits(rows, predict_tokens), section, fits
+
+
 def main(argv=None) -> int:
     """Run (or continue) the sweep, then print and save the table and plots; the exit code."""
     args = build_parser().parse_args(argv)
@@ -264,11 +298,21 @@ def main(argv=None) -> int:
     if not summaries:
         print(f"lr_sweep: no runs in {settings.out}", file=sys.stderr)
         return 1
-    table = format_table(summaries, rule)
+    try:
+        fit_table, fit_section, fits = fit_all(settings, summaries, curves, args.fit_min_steps,
+                                               args.predict_tokens)
+    except ValueError as exc:
+        print(f"lr_sweep: error: {exc}", file=sys.stderr)
+        return 2
+    table = format_table(summaries, rule) + "\n\n" + fit_table
     with open(os.path.join(settings.out, "summary.txt"), "w", encoding="utf-8") as handle:
         handle.write(table + "\n")
+    summary = to_json(summaries, rule)
+    for run in summary["runs"]:
+        run["fit"] = fits[(run["variant"], run["lr"])]
+    summary["fit"] = fit_section
     with open(os.path.join(settings.out, "summary.json"), "w", encoding="utf-8") as handle:
-        json.dump(to_json(summaries, rule), handle, indent=1)
+        json.dump(summary, handle, indent=1)
     curves_png = os.path.join(settings.out, "loss_vs_step.png")
     final_png = os.path.join(settings.out, "final_loss_vs_lr.png")
     plot_loss_curves(curves, summaries, curves_png, rule.smooth_window)

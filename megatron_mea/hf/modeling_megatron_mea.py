@@ -106,27 +106,36 @@ class HeadNorm(nn.Module):
 
 
 class Knock(nn.Module):
-    """KHA: shared `[hn, hn]` transforms (`x @ T`) or the gated MLP on values."""
+    """KHA on each target (q, k, v): a shared `[hn, hn]` transform `x @ T` (`linear`), the gated
+    MLP `2 * ((x @ W_up) * sigmoid(x @ W_gate)) @ W_down` (`mlp`) or the gate alone
+    `2 * x * sigmoid(x @ W_gate)` (`gate`). Parameters `{target}_weight|up|gate|down`."""
+
+    MATRICES = {"linear": ("weight",), "mlp": ("up", "gate", "down"), "gate": ("gate",)}
 
     def __init__(self, variant, targets, head_dim):
         super().__init__()
+        if variant not in self.MATRICES:
+            raise ValueError(f"kha_variant ({variant!r}) must be one of {tuple(self.MATRICES)}")
         self.variant, self.targets = variant, tuple(targets)
-        if variant == "linear":
-            for target in self.targets:
-                self.register_parameter(f"{target}_weight", nn.Parameter(torch.eye(head_dim)))
-        else:
-            self.v_up = nn.Parameter(torch.eye(head_dim))
-            self.v_gate = nn.Parameter(torch.zeros(head_dim, head_dim))
-            self.v_down = nn.Parameter(torch.eye(head_dim))
+        for target in self.targets:
+            for name in self.MATRICES[variant]:
+                init = torch.zeros(head_dim, head_dim) if name == "gate" else torch.eye(head_dim)
+                self.register_parameter(f"{target}_{name}", nn.Parameter(init))
+
+    def _transform(self, x, target):
+        if self.variant == "linear":
+            return x @ getattr(self, f"{target}_weight")
+        gate = torch.sigmoid(x @ getattr(self, f"{target}_gate"))
+        if self.variant == "gate":
+            return 2 * x * gate
+        up, down = getattr(self, f"{target}_up"), getattr(self, f"{target}_down")
+        return 2 * ((x @ up) * gate) @ down
 
     def forward(self, query, key, value):
         """Transform `[b, s, heads, hn]` heads, shapes kept."""
-        if self.variant == "mlp":
-            gate = torch.sigmoid(value @ self.v_gate)
-            return query, key, 2 * ((value @ self.v_up) * gate) @ self.v_down
         heads = {"q": query, "k": key, "v": value}
         for target in self.targets:
-            heads[target] = heads[target] @ getattr(self, f"{target}_weight")
+            heads[target] = self._transform(heads[target], target)
         return heads["q"], heads["k"], heads["v"]
 
 

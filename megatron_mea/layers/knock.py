@@ -1,12 +1,14 @@
-"""KHA: a shared, identity-initialised `hn x hn` transform applied to every head of one kind."""
+"""KHA: a shared `hn x hn` transform (linear, gated MLP or gate) applied to every head of one
+kind."""
 
 import torch
 
 from megatron_mea.ops import (
+    KHA_MATRICES,
     fold_kha_linear,
     fuse_qkv,
-    kha_linear,
-    kha_mlp,
+    kha_init,
+    kha_transform,
     rows_with_bias,
     split_bias,
     unfuse_qkv,
@@ -18,10 +20,14 @@ class KnockingHeads(torch.nn.Module):
     """Knocking-heads transforms of Q/K/V, per head along the feature axis (docs/math.md).
 
     Parameters (all `[hn, hn]`, TP-replicated; every forward routes them through `tp_replicated`,
-    so their gradients, partial over each rank's heads, are summed over the TP group):
-        linear variant: `q_weight`, `k_weight`, `v_weight` for the configured `kha_targets`,
-            identity at init (`x @ T` convention).
-        mlp variant: `v_up`, `v_gate`, `v_down` (identity, zero, identity at init).
+    so their gradients, partial over each rank's heads, are summed over the TP group), for each
+    target `t` of `kha_targets`:
+        linear variant: `t_weight` (`x @ T`);
+        mlp variant: `t_up`, `t_gate`, `t_down`;
+        gate variant: `t_gate`.
+    Initial values (`kha_init`, `ops.functional.kha_init`): identity matrices and zero gates (the
+    layer starts as the baseline), or N(0, 1/hn) draws from the default torch generator, seeded
+    alike on every TP rank so that the replicas start identical.
 
     Args:
         config: an `MEATransformerConfig` with attention_variant="kha".
@@ -35,29 +41,20 @@ class KnockingHeads(torch.nn.Module):
         self.targets = tuple(config.kha_targets)
         hn = self.head_dim = config.kv_channels
         device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
-
-        def make(init):
-            return torch.nn.Parameter(init.to(device=device, dtype=config.params_dtype))
-
-        if self.variant == "linear":
-            for target in self.targets:
-                self.register_parameter(f"{target}_weight", make(torch.eye(hn)))
-        else:
-            self.v_up = make(torch.eye(hn))
-            self.v_gate = make(torch.zeros(hn, hn))
-            self.v_down = make(torch.eye(hn))
+        for target in self.targets:
+            for name, init in kha_init(self.variant, hn, config.kha_init).items():
+                param = torch.nn.Parameter(init.to(device=device, dtype=config.params_dtype))
+                self.register_parameter(f"{target}_{name}", param)
 
     def _weight(self, name: str) -> torch.Tensor:
         return tp_replicated(getattr(self, name), self.tp_group)
 
     def forward(self, query, key, value):
         """Transform `query [s, b, np_loc, hn]`, `key, value [s, b, ng_loc, hn]` (shapes kept)."""
-        if self.variant == "mlp":
-            up, gate, down = (self._weight(n) for n in ("v_up", "v_gate", "v_down"))
-            return query, key, kha_mlp(value, up, gate, down)
         heads = {"q": query, "k": key, "v": value}
         for target in self.targets:
-            heads[target] = kha_linear(heads[target], self._weight(f"{target}_weight"))
+            matrices = (self._weight(f"{target}_{m}") for m in KHA_MATRICES[self.variant])
+            heads[target] = kha_transform(heads[target], self.variant, *matrices)
         return heads["q"], heads["k"], heads["v"]
 
     def fold(self, weight: torch.Tensor, bias, num_heads: int, num_groups: int):

@@ -345,9 +345,13 @@ class MEASelfAttention(_SplitSelfAttention):
                 mask = decode_mask(s, end, query.device)
             scale = self.config.softmax_scale or self.hidden_size_per_attention_head**-0.5
             sharded = self.world_size > 1 and not self.components_duplicated
+            # Without HLC (the +norm control) the cache holds the composites: nothing to mix.
+            key_mix = value_mix = None
+            if self.head_mix is not None:
+                key_mix, value_mix = self.head_mix.key_weight, self.head_mix.value_weight
             out = attend(
-                cache, end, batch, query.transpose(0, 1), self.head_mix.key_weight,
-                self.head_mix.value_weight, scale, mask, self.tp_group, sharded,
+                cache, end, batch, query.transpose(0, 1), key_mix, value_mix, scale, mask,
+                self.tp_group, sharded,
             )
             core = out.transpose(0, 1).reshape(s, b, -1)
         return self.linear_proj(core)

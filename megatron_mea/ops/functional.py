@@ -11,6 +11,8 @@ Only the RMS norm upcasts (its mean of squares needs fp32, as every Megatron nor
 
 import torch
 
+from megatron_mea.variant import KHA_MATRICES
+
 
 def head_mix(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """HLC: composite heads as learned linear combinations of component heads.
@@ -113,6 +115,50 @@ def kha_mlp(
         `[..., heads, hn]`.
     """
     return 2 * torch.matmul(torch.matmul(x, up) * torch.sigmoid(torch.matmul(x, gate)), down)
+
+
+def kha_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """KHA gate only (the KHA paper's gate-only ablation): `2 * x * sigmoid(x @ W_gate)`, the
+    MLP of `kha_mlp` without its up and down projections (identity at `W_gate = 0`).
+
+    Args:
+        x: heads `[..., heads, hn]`.
+        gate: `[hn, hn]`.
+
+    Returns:
+        `[..., heads, hn]`.
+    """
+    return 2 * x * torch.sigmoid(torch.matmul(x, gate))
+
+
+def kha_transform(x: torch.Tensor, variant: str, *matrices: torch.Tensor) -> torch.Tensor:
+    """The KHA transform `variant` (`linear`, `mlp`, `gate`) of heads `x [..., heads, hn]`,
+    with the target's matrices in `KHA_MATRICES[variant]` order."""
+    if variant == "linear":
+        return kha_linear(x, *matrices)
+    if variant == "mlp":
+        return kha_mlp(x, *matrices)
+    if variant == "gate":
+        return kha_gate(x, *matrices)
+    raise ValueError(f"unknown KHA variant {variant!r}")
+
+
+def kha_init(variant: str, head_dim: int, kind: str = "identity") -> dict:
+    """Initial matrices of one KHA target in fp32, `{suffix: [hn, hn]}` (`KHA_MATRICES` order).
+
+    Args:
+        variant: `linear`, `mlp` or `gate`.
+        head_dim: hn.
+        kind: `identity` (identity matrices, zero gate: the transform is the identity) or
+            `random` (every matrix from N(0, 1/hn), drawn from the default torch generator).
+    """
+    if kind == "random":
+        return {name: torch.randn(head_dim, head_dim) / head_dim**0.5
+                for name in KHA_MATRICES[variant]}
+    if kind != "identity":
+        raise ValueError(f"unknown KHA init {kind!r}")
+    return {name: torch.zeros(head_dim, head_dim) if name == "gate" else torch.eye(head_dim)
+            for name in KHA_MATRICES[variant]}
 
 
 def mix_init(kind: str, num_components: int, num_groups: int) -> torch.Tensor:

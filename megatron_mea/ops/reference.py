@@ -13,7 +13,7 @@ from typing import Dict, Optional
 
 import torch
 
-from megatron_mea.ops.functional import head_mix, head_rms_norm, kha_linear, kha_mlp
+from megatron_mea.ops.functional import head_mix, head_rms_norm, kha_gate, kha_linear, kha_mlp
 
 
 @dataclass
@@ -26,8 +26,9 @@ class AttentionParams:
         q_norm, k_norm: RMSNorm scales `[hn]` applied per head (qk_layernorm), or None.
         mix_k, mix_v: MEA HLC matrices `[nc, ng]`, or None (then nc == ng, no mixing).
         head_norm: MEA head RMS norm scale `[np*hn]`, or None.
-        kha: KHA matrices `[hn, hn]` by parameter name (`q_weight`, `k_weight`, `v_weight`,
-            `v_up`, `v_gate`, `v_down`).
+        kha: KHA matrices `[hn, hn]` by parameter name `{target}_{matrix}`: `q_weight`...
+            (linear), `v_up`, `v_gate`, `v_down`... (MLP), or `{target}_gate` alone (gate
+            only); each target's variant is read from which names it has.
     """
 
     w_q: torch.Tensor
@@ -111,14 +112,16 @@ def attention_ref(
         return torch.nn.functional.linear(x, w, bias).view(s, b, -1, head_dim)
 
     q, k, v = project(p.w_q, p.b_q), project(p.w_k, p.b_k), project(p.w_v, p.b_v)
-    if "q_weight" in p.kha:
-        q = kha_linear(q, p.kha["q_weight"])
-    if "k_weight" in p.kha:
-        k = kha_linear(k, p.kha["k_weight"])
-    if "v_weight" in p.kha:
-        v = kha_linear(v, p.kha["v_weight"])
-    if "v_up" in p.kha:
-        v = kha_mlp(v, p.kha["v_up"], p.kha["v_gate"], p.kha["v_down"])
+    heads = {"q": q, "k": k, "v": v}
+    for target in heads:
+        if f"{target}_weight" in p.kha:
+            heads[target] = kha_linear(heads[target], p.kha[f"{target}_weight"])
+        elif f"{target}_up" in p.kha:
+            heads[target] = kha_mlp(heads[target], *(p.kha[f"{target}_{m}"]
+                                                     for m in ("up", "gate", "down")))
+        elif f"{target}_gate" in p.kha:
+            heads[target] = kha_gate(heads[target], p.kha[f"{target}_gate"])
+    q, k, v = heads["q"], heads["k"], heads["v"]
     if p.q_norm is not None:
         q = rms_norm(q, p.q_norm, eps)
     if p.mix_k is not None:

@@ -56,6 +56,9 @@ NATIVE = [
     ("mixtral", "mea", {"mea_head_norm": True}),
     ("qwen2", "kha", {"kha_variant": "mlp"}),
     ("qwen3_moe", "kha", {"kha_variant": "mlp"}),
+    # The KHA paper's ablations: the MLP on q, k and v; the gate alone.
+    ("qwen3", "kha", {"kha_variant": "mlp", "kha_targets": ["q", "k", "v"]}),
+    ("llama", "kha", {"kha_variant": "gate", "kha_targets": ["q", "v"]}),
 ]
 
 
@@ -170,3 +173,26 @@ def test_native_export_generates_from_a_component_cache_of_half_the_baseline(
     b, t = ids.shape
     assert baseline == 2 * b * t * 2 * 4 * 8
     assert _cache_elements(model, ids) == baseline // 2 + 2 * b * t * 4
+
+
+def test_native_norm_control_generates_from_its_cache(checkpoints, tmp_path):
+    # The +norm control (head norm, no HLC) caches its K/V heads like the baseline; generating
+    # with the cache gives the tokens and scores of generating without it.
+    from transformers import AutoModelForCausalLM
+
+    trained = perturb_plugin_params(
+        checkpoints.imported("llama", "mea", mea_head_norm=True, mea_hlc=False),
+        str(tmp_path / "trained"),
+    )
+    out = str(tmp_path / "hf")
+    assert export_hf_checkpoint(trained, out) == "native"
+    model = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, output_scores=True,
+                    return_dict_in_generate=True)
+    ids = tokens()
+    cached = model.generate(ids, **settings)
+    uncached = model.generate(ids, use_cache=False, **settings)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for got, want in zip(cached.scores, uncached.scores, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert _cache_elements(model, ids) == _cache_elements(checkpoints.hf("llama")[1], ids)

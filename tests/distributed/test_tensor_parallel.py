@@ -77,10 +77,32 @@ def test_tp2_sp_ep2_equals_tp1_in_loss_and_every_gradient(tmp_path):
     _assert_equivalent(results)
 
 
+# The KHA paper's Table 2 ablations and its random initialisation (Section 3.3).
+KHA_ABLATIONS = [
+    ("kha-mlp-qkv", dict(attention_variant="kha", kha_variant="mlp", kha_targets=("q", "k", "v"))),
+    ("kha-gate-q", dict(attention_variant="kha", kha_variant="gate", kha_targets=("q",))),
+    ("kha-random-mlp-k", dict(attention_variant="kha", kha_variant="mlp", kha_targets=("k",),
+                              kha_init="random")),
+    ("kha-random-fold-linear", dict(attention_variant="kha", kha_variant="linear",
+                                    kha_init="random", kha_fold_linear=True)),
+]
+
+
+def test_kha_ablations_tp2_sp_and_tp2_sp_ep2_equal_tp1(tmp_path):
+    _assert_equivalent(
+        run_distributed(_workers.equivalence, 2, KHA_ABLATIONS, 2, 1, True, str(tmp_path / "tp"))
+    )
+    _assert_equivalent(
+        run_distributed(_workers.equivalence, 4, KHA_ABLATIONS[:2], 2, 2, True,
+                        str(tmp_path / "ep"))
+    )
+
+
 @pytest.mark.parametrize("sp,moe", [(True, True), (False, False)], ids=["sp-moe", "no-sp-dense"])
 def test_replicated_parameters_stay_bit_identical_across_tp_ranks(sp, moe):
+    # KHA's random init: drawn alike on every rank, the replicas start (and stay) identical.
     variants = [VARIANTS[0], VARIANTS[2], VARIANTS[3], VARIANTS[4], WEIGHTS_VARIANTS[0],
-                WEIGHTS_VARIANTS[4]]
+                WEIGHTS_VARIANTS[4], KHA_ABLATIONS[2]]
     results = run_distributed(_workers.replicas_after_steps, 2, variants, sp, moe, 3)
     for name, r in results[0].items():
         assert r["identical"], name

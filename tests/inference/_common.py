@@ -17,6 +17,8 @@ VARIANTS = [
     ("mea-no-qk-norm", dict(variant="mea", mea_mix_init="normal", **NO_QK_NORM)),
     ("mea-half-no-qk-norm",
      dict(variant="mea", mea_num_kv_components=2, mea_mix_init="normal", **NO_QK_NORM)),
+    # The +norm control (head norm, no HLC): nc == ng, the composites are cached.
+    ("mea-norm", dict(variant="mea", mea_hlc=False)),
 ]
 
 # Different lengths: rows keep consuming their prompt while others already generate.

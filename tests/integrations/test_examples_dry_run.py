@@ -35,6 +35,8 @@ CASES = [
     ("mea_llama3_1b.sh", dict(VARIANT="baseline", LR="1e-4")),
     ("mea_llama3_1b.sh", dict(VARIANT="mea", LR="3e-3", LAUNCH="slurm", NNODES="8",
                               PRECISION="fp8", TP="2")),
+    ("kha_moe_exploratory_100b.sh", dict(VARIANT="kha-mlp-qkv", LAUNCH="slurm", NNODES="4",
+                                         TP="2")),
 ]
 # Every case against the installed megatron-core's tag (chosen by the dry run itself); the fullest
 # case of each script also against every other tag (MEGATRON_LM_TAG), since each launch serves both.
@@ -73,6 +75,32 @@ def test_mea_llama3_follows_the_papers_recipe(mode, schedule, iters):
         assert f" {expected} " in f"{command} ", expected
     assert ("--min-lr 0.0003" in command) == (mode == "final")
     assert "--lr-warmup-fraction" not in command
+
+
+@pytest.mark.parametrize("mode,variant,lr", [("final", "mea", "3e-3"), ("final", "baseline", "1e-3"),
+                                              ("lr-grid", "mea", "1e-3")])
+def test_mea_llama3_default_lr_is_the_papers(mode, variant, lr):
+    # The final MEA run used 3e-3, MEA's largest stable LR; the baseline's final run 1e-3.
+    result = run_example("mea_llama3_1b.sh", VARIANT=variant, MODE=mode)
+    assert result.returncode == 0, result.stdout + result.stderr
+    command = next(line for line in result.stdout.splitlines() if "torchrun" in line)
+    assert f" --lr {lr} " in f"{command} "
+
+
+@pytest.mark.parametrize("variant,flags", [
+    ("kha-random", "--kha-variant mlp --kha-targets v --kha-init random"),
+    ("kha-gate", "--kha-variant gate --kha-targets v"),
+])
+def test_kha_exploratory_follows_the_papers_setup(variant, flags):
+    # 100B tokens at 512 x 4096 (~2.1M) tokens per step, LR 7.5e-4, 64 experts top-4.
+    result = run_example("kha_moe_exploratory_100b.sh", VARIANT=variant)
+    assert result.returncode == 0, result.stdout + result.stderr
+    command = next(line for line in result.stdout.splitlines() if "torchrun" in line)
+    for expected in ("--lr 7.5e-4", "--global-batch-size 512", "--seq-length 4096",
+                     "--train-iters 47683", "--num-experts 64", "--moe-router-topk 4",
+                     "--lr-warmup-iters 476", flags):
+        assert f" {expected} " in f"{command} ", expected
+    assert SIZE_LINE.search(result.stdout)
 
 
 def test_bad_launch_is_rejected_with_the_reason():

@@ -53,7 +53,8 @@ def test_choices_come_from_the_literal_annotations():
     parser = megatron_parser()
     by_dest = {a.dest: a for a in parser._actions}
     assert tuple(by_dest["attention_variant"].choices) == ("standard", "mea", "kha")
-    assert tuple(by_dest["kha_variant"].choices) == ("linear", "mlp")
+    assert tuple(by_dest["kha_variant"].choices) == ("linear", "mlp", "gate")
+    assert tuple(by_dest["kha_init"].choices) == ("identity", "random")
     with pytest.raises(SystemExit):
         parser.parse_args(MODEL + ["--attention-variant", "mla"])
 

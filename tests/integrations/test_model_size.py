@@ -22,11 +22,30 @@ def test_6b_example_is_within_2_percent_of_6_1b_total_and_1_01b_active(variant):
 
 
 @pytest.mark.parametrize("nc", [1, 2, 4])
-def test_mea_virtual_heads_cache_exactly_nc_over_ng_of_the_baseline(nc):
+def test_mea_virtual_heads_cache_nc_over_ng_of_the_baseline_plus_the_key_scales(nc):
     base = model_size(ModelShape(**KHA_6B))["kv_cache_bytes_per_token"]
     mea = model_size(ModelShape(**KHA_6B, attention_variant="mea", mea_num_kv_components=nc))
-    assert mea["kv_cache_bytes_per_token"] * 4 == base * nc
     assert base == 2 * 24 * 4 * 128 * 2
+    # With the RMS k norm (qk_layernorm) the component cache also holds one inverse RMS per
+    # composite key (ng = 4) and token, in the cache dtype; nc == ng caches the composites.
+    scales = 24 * 4 * 2 if nc < 4 else 0
+    assert mea["kv_cache_bytes_per_token"] * 4 == base * nc + 4 * scales
+    no_norm = model_size(ModelShape(**{**KHA_6B, "qk_layernorm": False}, attention_variant="mea",
+                                    mea_num_kv_components=nc))
+    assert no_norm["kv_cache_bytes_per_token"] * 4 == base * nc  # exactly nc/ng without it
+    layer_norm = model_size(ModelShape(**KHA_6B, normalization="LayerNorm",
+                                       attention_variant="mea", mea_num_kv_components=nc))
+    assert layer_norm["kv_cache_bytes_per_token"] == base  # the composites are cached
+
+
+def test_qwen3_30b_a3b_two_components_cut_the_cache_by_49_6_percent():
+    # 48 layers, 4 KV heads of 128 with the RMS k norm: (2*2*128 + 4) / (2*4*128) = 0.504.
+    shape = dict(num_layers=48, hidden_size=2048, num_attention_heads=32, num_query_groups=4,
+                 kv_channels=128, vocab_size=151936, qk_layernorm=True, num_experts=128,
+                 moe_router_topk=8, moe_ffn_hidden_size=768)
+    base = model_size(ModelShape(**shape))["kv_cache_bytes_per_token"]
+    mea = model_size(ModelShape(**shape, attention_variant="mea", mea_num_kv_components=2))
+    assert round(100 * (mea["kv_cache_bytes_per_token"] / base - 1), 1) == -49.6
 
 
 def test_variant_parameter_overheads_match_the_papers():
@@ -39,6 +58,14 @@ def test_variant_parameter_overheads_match_the_papers():
     assert kha_mlp - base == L * 3 * hn * hn
     assert kha_lin - base == L * 2 * hn * hn
     assert mea - base == L * (2 * ng * ng + np_ * hn)
+    # The KHA paper's ablations: the MLP on q, k and v; the gate alone on v.
+    mlp_qkv = ModelShape(**KHA_6B, attention_variant="kha", kha_targets=("q", "k", "v"))
+    gate = ModelShape(**KHA_6B, attention_variant="kha", kha_variant="gate")
+    assert model_size(mlp_qkv)["total_params"] - base == L * 9 * hn * hn
+    assert model_size(gate)["total_params"] - base == L * hn * hn
+    flops = model_size(mlp_qkv)["training_flops_per_token"] - model_size(
+        ModelShape(**KHA_6B))["training_flops_per_token"]
+    assert flops == 3 * L * 3 * 2 * hn * hn * (np_ + 2 * ng)  # 3 (fwd+bwd) x 3 matrices per head
 
 
 def test_llama_3_2_1b_shape_has_its_published_size():
@@ -70,6 +97,6 @@ def test_cli_takes_launch_flags(capsys):
          "rope"]
     )
     size = json.loads(capsys.readouterr().out)
-    assert code == 0 and size["kv_cache_bytes_per_token"] == 24576
+    assert code == 0 and size["kv_cache_bytes_per_token"] == 24576 + 24 * 4 * 2
     expected = ModelShape(**KHA_6B, attention_variant="mea", mea_num_kv_components=2)
     assert size == model_size(expected)

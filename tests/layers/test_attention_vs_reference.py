@@ -39,6 +39,21 @@ CASES = [
                                         kha_targets=("k",), kha_fold_linear=True)),
     ("kha-mlp", 4, 1, 8, dict(attention_variant="kha", kha_variant="mlp")),
     ("kha-mlp-mha-no-qk-norm", 4, 4, 6, dict(attention_variant="kha", kha_variant="mlp", qk_layernorm=False)),
+    # The KHA paper's Table 2 ablations: the MLP on q, on k, on q, k and v; the gate alone; and
+    # its Section 3.3 random initialisation.
+    ("kha-mlp-q", 4, 2, 8, dict(attention_variant="kha", kha_variant="mlp", kha_targets=("q",))),
+    ("kha-mlp-k", 6, 3, 6, dict(attention_variant="kha", kha_variant="mlp", kha_targets=("k",))),
+    ("kha-mlp-qkv", 4, 2, 8, dict(attention_variant="kha", kha_variant="mlp",
+                                  kha_targets=("q", "k", "v"))),
+    ("kha-gate", 4, 2, 8, dict(attention_variant="kha", kha_variant="gate")),
+    ("kha-gate-qk", 6, 3, 6, dict(attention_variant="kha", kha_variant="gate",
+                                  kha_targets=("q", "k"))),
+    ("kha-random-linear", 4, 2, 8, dict(attention_variant="kha", kha_variant="linear",
+                                        kha_init="random")),
+    ("kha-random-mlp", 4, 2, 8, dict(attention_variant="kha", kha_variant="mlp",
+                                     kha_init="random")),
+    ("kha-random-fold-linear", 4, 2, 8, dict(attention_variant="kha", kha_variant="linear",
+                                             kha_init="random", kha_fold_linear=True)),
 ]
 
 

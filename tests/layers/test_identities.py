@@ -40,11 +40,13 @@ def plain_state(variant_model, fold_layer=None):
         dict(attention_variant="kha", kha_variant="linear"),
         dict(attention_variant="kha", kha_variant="linear", kha_fold_linear=True),
         dict(attention_variant="kha", kha_variant="mlp"),
+        dict(attention_variant="kha", kha_variant="mlp", kha_targets=("q", "k", "v")),
+        dict(attention_variant="kha", kha_variant="gate", kha_targets=("q", "k", "v")),
         dict(attention_variant="mea", mea_head_norm=False),
         dict(attention_variant="mea", mea_head_norm=False, mea_tp_exchange="weights"),
     ],
-    ids=["kha-linear", "kha-fold-linear", "kha-mlp", "mea-identity-no-norm",
-         "mea-weights-identity-no-norm"],
+    ids=["kha-linear", "kha-fold-linear", "kha-mlp", "kha-mlp-qkv", "kha-gate-qkv",
+         "mea-identity-no-norm", "mea-weights-identity-no-norm"],
 )
 def test_variant_at_init_computes_exactly_the_plain_model(single_rank, fields):
     variant = build_gpt(tiny_config(**fields))
@@ -112,6 +114,12 @@ def test_parameter_names_follow_the_checkpoint_format(single_rank):
         assert kha[prefix + "knock." + name].shape == (8, 8)
     for name in ("v_up", "v_gate", "v_down"):
         assert mlp[prefix + "knock." + name].shape == (8, 8)
+    ablation = dict(build_gpt(tiny_config("kha", kha_variant="mlp", kha_targets=("q", "k")))
+                    .named_parameters())
+    assert sorted(n.rsplit(".", 1)[1] for n in ablation if n.startswith(prefix + "knock.")) == [
+        "k_down", "k_gate", "k_up", "q_down", "q_gate", "q_up"]
+    gate = dict(build_gpt(tiny_config("kha", kha_variant="gate")).named_parameters())
+    assert [n for n in gate if n.startswith(prefix + "knock.")] == [prefix + "knock.v_gate"]
     # Virtual heads shrink the projection: 8 query heads + 2*2 component K/V heads of 8 channels.
     assert mea[prefix + "linear_qkv.weight"].shape == ((8 + 2 * 2) * 8, 64)
 
@@ -138,3 +146,18 @@ def test_head_norm_composes_with_linear_proj_and_keeps_the_state_dict_keys(singl
     assert not torch.allclose(out, projection(x)[0])  # the (perturbed) norm acts
     plain = build_gpt(tiny_config("mea", mea_head_norm=False)).decoder.layers[0].self_attention
     assert plain.linear_proj is plain._modules["linear_proj"]
+
+
+def test_kha_random_init_draws_every_matrix_from_n_0_1_over_hn(single_rank):
+    # The KHA paper's Section 3.3 ablation: no identity start, so the model is not the plain one.
+    torch.manual_seed(0)
+    model = build_gpt(tiny_config("kha", kha_variant="mlp", kha_targets=("q", "v"),
+                                  kha_init="random"))
+    knock = {n: p for n, p in model.named_parameters() if ".knock." in n}
+    assert len(knock) == 2 * 2 * 3  # 2 layers, 2 targets, up / gate / down
+    values = torch.cat([p.detach().flatten() for p in knock.values()])
+    assert abs(values.mean().item()) < 0.05
+    assert abs(values.std().item() - 8**-0.5) < 0.03  # hn = 8
+    plain = build_gpt(tiny_config())
+    plain.load_state_dict(plain_state(model), strict=False)
+    assert not torch.allclose(logits(model), logits(plain))

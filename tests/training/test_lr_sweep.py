@@ -191,6 +191,9 @@ def test_sweep_end_to_end_resumes_an_interrupted_run_and_keeps_finished_ones(tmp
         assert not runs[(variant, 3e-3)]["diverged"]
         assert runs[(variant, 1e30)]["status"] == "stopped" and runs[(variant, 1e30)]["diverged"]
     assert summary["largest_stable_lr"] == {"baseline": 3e-3, "mea": 3e-3}
+    # The loss-law fit sits beside each verdict; 6 steps are too few to fit.
+    assert summary["fit"]["min_steps"] == 50 and summary["fit"]["tokens_per_step"] > 0
+    assert all(r["fit"] is None for r in summary["runs"])
     for name in ("summary.txt", "loss_vs_step.png", "final_loss_vs_lr.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0
 
@@ -223,3 +226,10 @@ def test_sweep_end_to_end_resumes_an_interrupted_run_and_keeps_finished_ones(tmp
     capsys.readouterr()
     assert main(["--out", out, "--summary-only", "--max-spikes", "0"]) == 0
     assert "<= 0 spikes" in capsys.readouterr().out
+    assert main(["--out", out, "--summary-only", "--fit-min-steps", "3",
+                 "--predict-tokens", "1e9"]) == 0
+    summary = json.load(open(os.path.join(out, "summary.json"), encoding="utf-8"))
+    assert summary["fit"]["predict_tokens"] == 1e9
+    fits = {(r["variant"], r["lr"]): r["fit"] for r in summary["runs"]}
+    assert fits[("mea", 1e30)] is None  # stopped on NaN at once: nothing to fit
+    assert all(f is None or f["predict_tokens"] == 1e9 for f in fits.values())

@@ -1,0 +1,157 @@
+"""Downstream evaluation with EleutherAI's lm-evaluation-harness on a Hugging Face export.
+
+`evaluate_checkpoint` exports a Megatron checkpoint (`checkpoint.export_hf_checkpoint`: a stock
+architecture where the variant folds, our modeling code otherwise), gives the export a tokenizer
+when it has none, and runs the harness's `simple_evaluate` with its `hf` model on it. Every task
+of the harness works (PIQA, HellaSwag, ARC, WinoGrande, MMLU...), and local YAML tasks through
+`include_path`. `mea-eval` is the command line over it.
+
+The harness (`lm-eval`, PyPI) is an optional dependency: `pip install megatron_mea[eval]`.
+"""
+
+import json
+import logging
+import os
+import tempfile
+from typing import Optional, Sequence
+
+from megatron_mea.checkpoint import export_hf_checkpoint
+from megatron_mea.checkpoint.hf_io import has_tokenizer
+
+logger = logging.getLogger(__name__)
+
+BYTE_LEVEL = "byte-level"
+EOD_TEXT = "<eod>"
+BYTE_LEVEL_VOCAB = 257  # 256 bytes and <eod>
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's printable stand-in character of every byte (what HF's ByteLevel pre-tokenizer
+    emits), `{byte: char}`."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def save_byte_level_tokenizer(directory: str) -> None:
+    """Write an HF tokenizer equal to the package's `ByteLevelTokenizer` into `directory`:
+    UTF-8 byte `b` is id `b`, `<eod>` (id 256) is the end-of-sequence token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {char: b for b, char in _bytes_to_unicode().items()}
+    vocab[EOD_TEXT] = 256
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOD_TEXT)
+    fast.add_special_tokens({"eos_token": EOD_TEXT})
+    fast.save_pretrained(directory)
+
+
+def _checkpoint_tokenizer_type(load_dir: str) -> Optional[str]:
+    from megatron_mea.checkpoint.megatron_io import ModelDescription
+
+    return getattr(ModelDescription.load(load_dir).args, "tokenizer_type", None)
+
+
+def export_for_evaluation(load_dir: str, save_dir: str, tokenizer: Optional[str] = None,
+                          format: str = "auto") -> str:  # noqa: A002 -- the CLI flag's name
+    """Export `load_dir` to `save_dir` in fp32 with a tokenizer; returns the export's format.
+
+    Args:
+        tokenizer: `byte-level` (the package's byte tokenizer), an HF tokenizer directory, or
+            None: the export's own tokenizer files, else `byte-level` for checkpoints trained
+            with `ByteLevelTokenizer`.
+        format: `auto`, `plain` or `native` (`export_hf_checkpoint`).
+    """
+    import torch
+
+    from megatron_mea.cpu import megatron_on_cpu
+
+    with megatron_on_cpu():  # the export builds the Megatron model (on `meta`) to read shapes
+        written = export_hf_checkpoint(load_dir, save_dir, format=format, dtype=torch.float32)
+    with open(os.path.join(save_dir, "config.json"), encoding="utf-8") as handle:
+        vocab_size = json.load(handle)["vocab_size"]
+    byte_level_fits = vocab_size >= BYTE_LEVEL_VOCAB
+    if tokenizer is None and not has_tokenizer(save_dir):
+        if _checkpoint_tokenizer_type(load_dir) != "ByteLevelTokenizer" or not byte_level_fits:
+            raise ValueError(
+                f"{load_dir}: the export has no tokenizer files and the model is not a byte-level "
+                f"one (ByteLevelTokenizer, >= {BYTE_LEVEL_VOCAB} ids; vocab_size {vocab_size}); "
+                "pass --tokenizer (an HF tokenizer directory)"
+            )
+        tokenizer = BYTE_LEVEL
+    if tokenizer == BYTE_LEVEL:
+        if not byte_level_fits:
+            raise ValueError(
+                f"--tokenizer byte-level needs a vocabulary of >= {BYTE_LEVEL_VOCAB} ids; "
+                f"{load_dir} has {vocab_size}"
+            )
+        save_byte_level_tokenizer(save_dir)
+    elif tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(save_dir)
+    return written
+
+
+def evaluate_checkpoint(
+    load_dir: str,
+    tasks: Sequence[str],
+    *,
+    include_path: Optional[str] = None,
+    tokenizer: Optional[str] = None,
+    export_dir: Optional[str] = None,
+    format: str = "auto",  # noqa: A002
+    batch_size: int = 1,
+    device: str = "cpu",
+    limit: Optional[float] = None,
+    num_fewshot: Optional[int] = None,
+    log_samples: bool = False,
+) -> dict:
+    """Export the checkpoint and evaluate it with lm-evaluation-harness.
+
+    Args:
+        load_dir: Megatron checkpoint root.
+        tasks: harness task names (or names of tasks under `include_path`).
+        include_path: a directory of extra YAML tasks.
+        tokenizer: as `export_for_evaluation`.
+        export_dir: keep the export there. Default: a temporary directory, removed after.
+        format: export format.
+        batch_size, device, limit, num_fewshot: the harness's settings.
+        log_samples: keep every request's response in `results["samples"]`.
+
+    Returns:
+        The harness's results dict (`results[task]["acc,none"]`...).
+    """
+    try:
+        import lm_eval
+        from lm_eval.tasks import TaskManager
+    except ImportError as exc:
+        raise ImportError(
+            "evaluation needs lm-evaluation-harness: pip install 'megatron_mea[eval]'"
+        ) from exc
+
+    with tempfile.TemporaryDirectory(prefix="mea-eval-") as scratch:
+        directory = export_dir or os.path.join(scratch, "hf")
+        written = export_for_evaluation(load_dir, directory, tokenizer, format)
+        logger.info("exported %s as a %s HF model to %s", load_dir, written, directory)
+        return lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
+            tasks=list(tasks),
+            task_manager=TaskManager(include_path=include_path),
+            batch_size=batch_size,
+            device=device,
+            limit=limit,
+            num_fewshot=num_fewshot,
+            log_samples=log_samples,
+        )
