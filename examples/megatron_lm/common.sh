@@ -8,6 +8,9 @@
 #   NODE_RANK, MASTER_ADDR, MASTER_PORT   multi only (MASTER_PORT default 6000)
 #   PRECISION       bf16 (default) | fp8 (E4M3, blockwise scaling: Hopper's FP8 recipe)
 #   DRY_RUN=1       validate every argument (no GPU, no Megatron-LM) and print the launch command
+#   CPU_SMOKE=1     with DRY_RUN=1: then also run pretrain_gpt_mea.py for 3 steps on CPU at a tiny
+#                   shape with this recipe's attention variant (and a tiny MoE if it has one),
+#                   through `python -m megatron_mea.cpu` (needs MEGATRON_LM_DIR; SMOKE_TP=2 for TP+SP)
 #   MEGATRON_LM_TAG Megatron-LM tag the dry run validates against, core_v0.16.1 or core_v0.19.0
 #                   (default: the one matching the installed megatron-core: 0.16.x or >= 0.17)
 #   MEGATRON_LM_DIR Megatron-LM checkout at tag core_v0.16.1 (megatron-core 0.16.x) or
@@ -87,6 +90,9 @@ launch() {
         echo "  torchrun ${torchrun_args[*]} $ENTRY $*"
         "$PYTHON" -m megatron_mea.cli.dry_run --world-size "$WORLD_SIZE" \
             ${MEGATRON_LM_TAG:+--megatron-lm-tag "$MEGATRON_LM_TAG"} -- "$@"
+        if [[ "${CPU_SMOKE:-0}" == 1 ]]; then
+            cpu_smoke
+        fi
         return
     fi
     case "$LAUNCH" in
@@ -105,4 +111,36 @@ launch() {
             cmd="torchrun ${torchrun_args[*]} $(printf '%q ' "$ENTRY" "$@")"
             exec srun --nodes "$NNODES" --ntasks-per-node 1 --kill-on-bad-exit=1 bash -c "$cmd" ;;
     esac
+}
+
+# cpu_smoke: the real entry script, 3 steps on CPU (gloo) at a tiny shape, with the caller's
+# ATTENTION_ARGS and, when it defines MOE_ARGS, a tiny MoE in every layer.
+cpu_smoke() {
+    if [[ -z "${MEGATRON_LM_DIR:-}" ]]; then
+        echo "CPU_SMOKE=1 needs MEGATRON_LM_DIR (a Megatron-LM checkout at the tag of the installed megatron-core)" >&2
+        exit 2
+    fi
+    local tp=${SMOKE_TP:-1}
+    local -a smoke_args=(
+        --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 8
+        --group-query-attention --num-query-groups 8 --seq-length 32 --max-position-embeddings 32
+        --position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear
+        --attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 4
+        --train-iters 3 --lr 1e-3 --mock-data --tokenizer-type NullTokenizer --vocab-size 255
+        --transformer-impl local --use-cpu-initialization --distributed-backend gloo
+        --no-gradient-accumulation-fusion --no-rope-fusion --no-persist-layer-norm
+        --no-masked-softmax-fusion --no-bias-swiglu-fusion --log-interval 1 --eval-iters 0
+        --eval-interval 1000 --tensor-model-parallel-size "$tp" "${ATTENTION_ARGS[@]}"
+    )
+    if ((tp > 1)); then
+        smoke_args+=(--sequence-parallel)
+    fi
+    if [[ -n "${MOE_ARGS+set}" ]]; then
+        smoke_args+=(--num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64
+            --moe-layer-freq 1 --moe-token-dispatcher-type alltoall)
+    fi
+    echo "CPU smoke: torchrun --standalone --nproc-per-node $tp -m megatron_mea.cpu $ENTRY ${smoke_args[*]}"
+    "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$tp" \
+        -m megatron_mea.cpu "$ENTRY" "${smoke_args[@]}"
+    echo "CPU SMOKE OK"
 }

@@ -86,15 +86,16 @@ def test_every_tag_has_a_numbered_documented_series():
 
 
 @pytest.mark.parametrize("tag", TAGS)
-def test_vendored_targets_are_the_tag_files_and_nothing_else(tag):
+def test_vendored_files_are_the_tag_files_as_listed(tag):
     manifest = (TARGETS / "README.md").read_text()
     section = manifest.split(f"## {tag}\n")[1].split("\n## ")[0]
     assert MEGATRON_LM_TAGS[tag] in section
     listed = dict(re.findall(r"^\| `([^`]+)` \| `([0-9a-f]{40})` \|$", section, re.M))
     vendored = sorted(str(p.relative_to(TARGETS / tag)) for p in (TARGETS / tag).rglob("*")
                       if p.is_file())
-    patched = sorted({path for patch in series(tag) for path in touched_files(patch)})
-    assert vendored == patched == sorted(listed)
+    patched = {path for patch in series(tag) for path in touched_files(patch)}
+    assert vendored == sorted(listed)
+    assert patched <= set(vendored), f"{tag}: patched files not vendored: {patched - set(vendored)}"
     for path, blob in listed.items():
         assert git_blob_id(TARGETS / tag / path) == blob, f"{tag}/{path} differs from the tag"
 
