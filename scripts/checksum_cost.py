@@ -18,6 +18,10 @@ import time
 from megatron_mea.cpu import megatron_on_cpu
 
 
+def _no_list(directory: str) -> None:
+    """The save without its checksum list."""
+
+
 def _size(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory))
 
@@ -31,6 +35,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     flags = [f for f in args.pretrain if f != "--"]
 
+    from megatron_mea.checkpoint import integrity
     from megatron_mea.training import checkpointing, loop
     from megatron_mea.training.arguments import parse_args
 
@@ -40,31 +45,36 @@ def main(argv=None) -> int:
     trainer.train_step()
     trainer.iteration = 1
     write_checksums = checkpointing._write_checksums
-    times = {}
-    for mode in ("with", "without"):
-        checkpointing._write_checksums = write_checksums if mode == "with" else (lambda d: None)
-        saves, loads = [], []
-        for _ in range(args.repeats):
+    saves, loads, hashes = {"with": [], "without": []}, {"with": [], "without": []}, []
+    for repeat in range(args.repeats):  # interleaved, first one then the other mode first,
+        # so that a busy machine or disk weighs on both alike
+        for mode in ("with", "without") if repeat % 2 == 0 else ("without", "with"):
+            checkpointing._write_checksums = write_checksums if mode == "with" else _no_list
             root = os.path.join(args.out, mode)
             shutil.rmtree(root, ignore_errors=True)
             started = time.perf_counter()
             trainer.save(root)
-            saves.append(time.perf_counter() - started)
+            saves[mode].append(time.perf_counter() - started)
             started = time.perf_counter()
             checkpointing.load_checkpoint(root, trainer.modules, trainer.optimizer,
                                           trainer.scheduler)
-            loads.append(time.perf_counter() - started)
-        times[mode] = (statistics.median(saves), statistics.median(loads))
+            loads[mode].append(time.perf_counter() - started)
+        directory = checkpointing.checkpoint_dir(os.path.join(args.out, "with"), 1)
+        started = time.perf_counter()
+        integrity.checksum_files(directory, integrity.checkpoint_files(directory))
+        hashes.append(time.perf_counter() - started)
     checkpointing._write_checksums = write_checksums
     size = _size(checkpointing.checkpoint_dir(os.path.join(args.out, "with"), 1))
     trainer.close()
+    median = statistics.median
     print(f"checkpoint: {size / 2**20:.1f} MiB")
-    for mode, (save, load) in times.items():
-        print(f"{mode} checksums: save {save:.3f} s, load {load:.3f} s")
-    (save_with, load_with), (save_without, load_without) = times["with"], times["without"]
-    print(f"cost: save +{save_with - save_without:.3f} s "
-          f"({100 * (save_with / save_without - 1):+.1f}%), load +{load_with - load_without:.3f} s "
-          f"({100 * (load_with / load_without - 1):+.1f}%)")
+    for mode in ("with", "without"):
+        print(f"{mode} checksums: save {median(saves[mode]):.3f} s, "
+              f"load {median(loads[mode]):.3f} s")
+    hashed = median(hashes)
+    print(f"hashing the files once (the work added to a save, and to a load): {hashed:.3f} s "
+          f"({size / 2**20 / hashed:.0f} MiB/s): {100 * hashed / median(saves['without']):.1f}% "
+          f"of a save, {100 * hashed / median(loads['without']):.1f}% of a load")
     return 0
 
 
