@@ -143,13 +143,6 @@ class Trainer:
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         if args.vocab_size is None:
             args.vocab_size = self.tokenizer.vocab_size
-        if not args.mock_data and args.vocab_size < self.tokenizer.vocab_size:
-            from megatron_mea.data import DatasetError
-
-            raise DatasetError(
-                f"--vocab-size ({args.vocab_size}) is smaller than the tokenizer's vocabulary "
-                f"({self.tokenizer.vocab_size}): its token ids would index past the embedding"
-            )
         self.rank = dist.get_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
