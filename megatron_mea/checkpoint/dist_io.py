@@ -46,6 +46,12 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
+from megatron_mea.checkpoint.integrity import (
+    checkpoint_files,
+    checksum_files,
+    read_index,
+    write_checksums,
+)
 from megatron_mea.checkpoint.megatron_io import (
     MODEL_ONLY_LAYOUT,
     ConversionError,
@@ -113,11 +119,10 @@ def _merge_parts(directory: str, parts: list) -> None:
     """Fold the DCP indexes of the part directories into `directory/.metadata`, moving their
     data files next to it."""
     index_path = os.path.join(directory, ".metadata")
-    with open(index_path, "rb") as handle:
-        merged = pickle.load(handle)
+    # Written just now, but read as any index is: admitted types only.
+    merged = read_index(directory)
     for number, part in enumerate(parts):
-        with open(os.path.join(part, ".metadata"), "rb") as handle:
-            metadata = pickle.load(handle)
+        metadata = read_index(part)
         renamed = {}
         for index, info in metadata.storage_data.items():
             if info.relative_path not in renamed:
@@ -182,6 +187,7 @@ def write_checkpoint(
         dist_checkpointing.save(state, directory)
         parts = _write_groups(directory, entries, groups, progress)
         _merge_parts(directory, parts)
+        write_checksums(directory, checksum_files(directory, checkpoint_files(directory)))
         description.save(staged)
         with open(os.path.join(staged, TRACKER), "w", encoding="utf-8") as handle:
             handle.write("0")

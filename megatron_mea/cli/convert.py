@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="HF directory whose config.json is the template "
                           "(e.g. the model the run was upcycled from)")
     exp.add_argument("--dtype", choices=tuple(DTYPES), default=None)
-    exp.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    exp.add_argument("--iteration", "--ckpt-step", dest="iteration", type=int, default=None,
+                     help="default: the latest")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
     exp.set_defaults(run=_export_hf)
 
@@ -160,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="all | paper-half | middle-half | all-but-first-N | 0,3,5-7 "
                               "(0-based, as Hugging Face numbers layers; the MEA paper's "
                               "settings: all, paper-half, all-but-first-3). Default: all")
-        sub.add_argument("--iteration", type=int, default=None, help="default: the latest")
+        sub.add_argument("--iteration", "--ckpt-step", dest="iteration", type=int, default=None,
+                         help="default: the latest")
         if name == "compress":
             sub.add_argument("--save", required=True,
                              help="output checkpoint directory (new or empty)")
@@ -184,7 +186,8 @@ def main(argv=None) -> int:
         argv: the arguments. Default: `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0 done, 1 refused (`error: ...` on stderr), 2 usage (argparse exits).
+        The exit status: 0 done; 2 refused input (`error: ...` on stderr, one line; argparse's
+        usage errors too); 1 a failure at run time (an unreadable or unwritable file).
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
@@ -194,8 +197,11 @@ def main(argv=None) -> int:
 
     try:
         args.run(args)
-    except (ConversionError, CheckpointError, ValueError, OSError) as exc:
-        # ConversionError is a ValueError; OSError: unreadable inputs, unwritable outputs.
+    except (ConversionError, CheckpointError, ValueError) as exc:
+        # A refused input (ConversionError and CheckpointError are ValueErrors).
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # unreadable inputs, unwritable outputs: a failure at run time
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

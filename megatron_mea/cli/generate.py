@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mea-generate", description=__doc__.split("\n")[0])
     parser.add_argument("--load", required=True,
                         help="run directory (with config.yaml) or one of its iter_XXXXXXX folders")
-    parser.add_argument("--iteration", type=int, help="checkpoint iteration. Default: latest")
+    parser.add_argument("--iteration", "--ckpt-step", dest="iteration", type=int,
+                        help="checkpoint iteration. Default: latest")
     parser.add_argument("--tp", type=int, default=int(os.environ.get("WORLD_SIZE", "1")),
                         help="tensor-parallel size. Default: the world size")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -47,6 +48,18 @@ def _prompts(args) -> list:
     return prompts
 
 
+def _warn_past_trained_length(prog, loaded, prompts, max_new_tokens) -> None:
+    """One line on stderr where a prompt and its new tokens go past the sequence length the
+    model was trained at (RoPE extrapolates, but what it gives there was never trained)."""
+    trained = loaded.args.seq_length
+    lengths = [len(loaded.tokenizer.tokenize(p)) + max_new_tokens for p in prompts]
+    longest = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[longest] > trained:
+        print(f"{prog}: warning: prompt {longest} ({lengths[longest] - max_new_tokens} tokens) "
+              f"+ --max-new-tokens {max_new_tokens} exceeds the sequence length the model was "
+              f"trained at ({trained})", file=sys.stderr)
+
+
 @megatron_on_cpu()
 def main(argv=None) -> int:
     """Load the checkpoint, generate, print the texts and the statistics.
@@ -55,13 +68,17 @@ def main(argv=None) -> int:
         argv: the arguments. Default: `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0 done, 1 the checkpoint cannot be loaded at this TP size, 2 usage.
+        The exit status: 0 done; 2 refused input (usage, or a checkpoint that is missing,
+        corrupt, unsafe or cannot be loaded at this TP size: one line); 1 a failure at run time.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
     prompts = _prompts(args)
     if not prompts:
         parser.error("give at least one --prompt or a --prompt-file")
+    empty = [index for index, prompt in enumerate(prompts) if not prompt]
+    if empty:
+        parser.error(f"prompt {empty[0]} is empty: a prompt needs at least one token")
     logging.basicConfig(level=logging.WARNING)
     import torch.distributed as dist
 
@@ -81,7 +98,8 @@ def main(argv=None) -> int:
         loaded = load_for_inference(args.load, args.tp, iteration=args.iteration)
     except (FileNotFoundError, CheckpointError, ValueError) as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 1
+        return 2
+    _warn_past_trained_length(parser.prog, loaded, prompts, args.max_new_tokens)
     speak = dist.get_rank() == 0
     stream = speak and args.batch_size == 1 and not args.no_stream
     current = {}  # the prompt being streamed: its index and TextStream

@@ -22,7 +22,9 @@ def main(argv=None) -> int:
         argv: the arguments. Default: `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0 trained, 1 stopped (non-finite loss, checkpoint refused), 2 usage.
+        The exit status: 0 trained; 2 an input refused before training (a flag, a file, a
+        directory or a checkpoint; one line); 1 a failure at run time (a non-finite loss under
+        the `stop` policy, one line; anything unexpected, with its traceback).
     """
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -33,12 +35,17 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2
+    from megatron_mea.data import DatasetError
     from megatron_mea.training.checkpointing import CheckpointError
     from megatron_mea.training.loop import TrainingStopped, pretrain
+    from megatron_mea.training.run_dir import RunDirectoryError
 
     try:
         pretrain(args)
-    except (TrainingStopped, CheckpointError) as exc:
+    except (CheckpointError, RunDirectoryError, DatasetError) as exc:
+        print(f"mea-pretrain: error: {exc}", file=sys.stderr)
+        return 2
+    except TrainingStopped as exc:
         print(f"mea-pretrain: stopped: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -5,7 +5,8 @@ Each episode trains a small MoE GPT with MEA for `--iters` steps twice on `--wor
 group is SIGKILLed after a random delay, then relaunched with `--load`, until the run finishes.
 The episode passes when every iteration 1..N has a loss in the killed run's metrics (nothing lost)
 and each equals the reference bit for bit (no step repeated or skipped: data position, optimizer,
-RNG and weights all resumed exactly). Episodes repeat until `--minutes` have passed.
+RNG and weights all resumed exactly), and no helper process of a killed trainer outlives it.
+Episodes repeat until `--minutes` have passed.
 
     mea-soak --minutes 20 --world-size 2
 """
@@ -41,9 +42,13 @@ def launch(world_size, argv, log):
 
 
 def kill_tree(process):
-    """SIGKILL torchrun and every worker: torchrun puts each worker in a session of its own, so
-    killing its process group would leave the workers running."""
-    workers = psutil.Process(process.pid).children(recursive=True)
+    """SIGKILL torchrun and its workers (torchrun puts each worker in a session of its own, so
+    killing its process group would leave the workers running); returns the pids of helper
+    processes (the workers' children, e.g. checkpoint writers) still alive 10 s later: they must
+    die with their trainer. Survivors are then killed too."""
+    agent = psutil.Process(process.pid)
+    workers = agent.children()
+    helpers = [p for w in workers for p in w.children(recursive=True)]
     os.killpg(process.pid, signal.SIGKILL)
     for worker in workers:
         try:
@@ -52,6 +57,13 @@ def kill_tree(process):
             pass
     process.wait()
     psutil.wait_procs(workers, timeout=30)
+    _, alive = psutil.wait_procs(helpers, timeout=10)
+    for survivor in alive:
+        try:
+            survivor.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in alive]
 
 
 def losses(save_dir):
@@ -73,14 +85,18 @@ def episode(workdir, args, rng, log):
         return 0, ["reference run failed"]
     kills = 0
     while True:
-        process = launch(args.world_size, [*common, "--save", soak_dir, "--load", soak_dir], log)
+        # Until the first checkpoint there is nothing to load: a fresh start, asked for.
+        process = launch(args.world_size, [*common, "--save", soak_dir, "--load", soak_dir,
+                                           "--no-exit-on-missing-checkpoint"], log)
         try:
             code = process.wait(timeout=rng.uniform(args.kill_min, args.kill_max))
             if code != 0:
                 return kills, [f"run exited with {code}"]
             break
         except subprocess.TimeoutExpired:
-            kill_tree(process)
+            survivors = kill_tree(process)
+            if survivors:
+                return kills, [f"processes {survivors} outlived their killed trainer"]
             kills += 1
     expected, got = losses(reference_dir), losses(soak_dir)
     problems = [f"iteration {i} lost" for i in range(1, args.iters + 1) if i not in got]

@@ -17,6 +17,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
+from megatron_mea.data.checks import DatasetError, check_dataset_files, check_splits
 from megatron_mea.data.corpus import build_stdlib_corpus
 from megatron_mea.data.preprocess import PreprocessError, PreprocessSummary, preprocess_files
 from megatron_mea.data.tokenizers import (
@@ -27,6 +28,7 @@ from megatron_mea.data.tokenizers import (
 )
 
 __all__ = [
+    "DatasetError",
     "TOKENIZER_TYPES",
     "ByteLevelTokenizer",
     "HuggingFaceTokenizer",
@@ -94,6 +96,8 @@ def build_gpt_datasets(
         ValueError: if both or neither of `data_prefix` and `mock` are given, or a sample count is
             None in a weighted blend.
         FileNotFoundError: if a prefix lacks its .bin or .idx file.
+        DatasetError: an empty, truncated or foreign .bin/.idx file (named), or a split of
+            positive weight that gets no document (named, with the document counts).
         RuntimeError: for a multi-prefix blend with `cache_dir` while torch.distributed is not
             initialised.
     """
@@ -128,6 +132,8 @@ def build_gpt_datasets(
                     raise FileNotFoundError(
                         f"--data-path prefix {prefix!r}: {prefix + suffix} does not exist"
                     )
+            # Before Megatron reads them: a damaged file or an empty split named in one line.
+            check_splits(prefix, check_dataset_files(prefix), split)
 
     config = GPTDatasetConfig(
         random_seed=seed,

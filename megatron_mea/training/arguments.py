@@ -135,6 +135,19 @@ class PretrainArgs(AttentionVariantFields):
     keeping the last good checkpoint."""
     nan_max_consecutive_skips: int = 10
     """With nan_policy=skip, stop after this many non-finite steps in a row."""
+    # ---- run-directory safety (megatron_mea.training.run_dir) --------------------------------
+    exit_on_missing_checkpoint: bool = True
+    """A --load without a checkpoint is an error; --no-exit-on-missing-checkpoint starts from
+    scratch instead (Megatron-LM's flag, on by default here)."""
+    overwrite_save: bool = False
+    """Let a run that does not continue the run in --save (a fresh start, or a --load of
+    another directory) write over the checkpoints there."""
+    ckpt_step: Optional[int] = None
+    """Load this iteration of --load instead of the latest (Megatron-LM's flag), e.g. an older
+    complete checkpoint when the newest one is corrupt."""
+    override_checkpoint_data_settings: bool = False
+    """On --load, accept a vocabulary size, tokenizer or sequence length that differs from the
+    checkpoint's (refused otherwise)."""
 
     @property
     def padded_vocab_size(self) -> int:
@@ -266,8 +279,15 @@ def _coerce(name: str, value, annotation):
 
 def load_yaml(path: str) -> dict:
     """Read a YAML config (safe loader); keys may use `-` or `_`; unknown keys are an error."""
-    with open(path, encoding="utf-8") as handle:
-        raw = yaml.safe_load(handle) or {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            raw = yaml.safe_load(handle) or {}
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the config ({exc.strerror})") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ValueError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', exc)})") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a mapping of flag: value, got {type(raw).__name__}")
     fields = {f.name: f for f in dataclasses.fields(PretrainArgs)}
@@ -297,6 +317,7 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
     """Check everything that can be checked before launch; ValueError names the flag."""
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     _validate_choices(args)
+    _validate_run_inputs(args)
     model_parallel = (
         args.tensor_model_parallel_size
         * args.pipeline_model_parallel_size
@@ -375,6 +396,47 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
     from megatron_mea.training.model import transformer_config
 
     transformer_config(args, world_size=world_size)
+
+
+def _validate_run_inputs(args: PretrainArgs) -> None:
+    """Values that would otherwise fail only once the model is built, or hang."""
+    if args.ckpt_step is not None and (args.ckpt_step < 0 or not args.load):
+        raise ValueError(f"ckpt_step ({args.ckpt_step}) needs load and must be >= 0")
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad", "adam_eps"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"{name} ({getattr(args, name)}) must be >= 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(args, name) < 1.0:
+            raise ValueError(f"{name} ({getattr(args, name)}) must be in [0, 1)")
+    if args.num_experts and not 1 <= args.moe_router_topk <= args.num_experts:
+        raise ValueError(
+            f"moe_router_topk ({args.moe_router_topk}) must be in [1, num_experts "
+            f"({args.num_experts})]"
+        )
+    parts = args.split.replace("/", ",").split(",")
+    try:
+        weights = [float(part) for part in parts]
+    except ValueError:
+        raise ValueError(
+            f"split ({args.split!r}) must be up to three numbers such as 969,30,1"
+        ) from None
+    if len(weights) > 3 or any(w < 0 or w != w for w in weights) or sum(weights) <= 0:
+        raise ValueError(f"split ({args.split!r}) must be up to three non-negative numbers "
+                         "with a positive sum, such as 969,30,1")
+    positions = args.max_position_embeddings
+    if positions is not None and args.seq_length > positions:
+        raise ValueError(f"seq_length ({args.seq_length}) must not exceed "
+                         f"max_position_embeddings ({positions})")
+    if args.tokenizer_model is not None and not os.path.exists(args.tokenizer_model):
+        raise ValueError(f"tokenizer_model: no such file or directory {args.tokenizer_model!r}")
+    if args.data_path and not args.mock_data:
+        # A damaged .bin/.idx or a split without documents, named before anything starts (the
+        # latter would make Megatron loop forever).
+        from megatron_mea.data.checks import check_dataset_files, check_splits
+
+        for path in args.data_path:
+            if not _is_weight(path) and os.path.exists(path + ".idx"):
+                check_splits(path, check_dataset_files(path), args.split)
 
 
 def _validate_choices(args: PretrainArgs) -> None:

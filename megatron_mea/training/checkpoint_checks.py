@@ -6,15 +6,20 @@ turns a tensor mismatch into the model settings that differ, read from the run's
 `config.yaml`. Every message is one line naming the file, the tensor or the setting.
 """
 
+import json
+import logging
 import os
 import re
 
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_mea import compat
+from megatron_mea.checkpoint import integrity
+from megatron_mea.checkpoint.safe_pickle import UnsafePickleError
+
+logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -49,10 +54,11 @@ def latest_iteration(root: str):
     path = os.path.join(root, TRACKER)
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read().strip()
-    if not text.isdigit():
-        raise CheckpointError(f"{path}: expected an iteration number, found {text!r}")
+    with open(path, "rb") as handle:
+        raw = handle.read(64)
+    text = raw.decode("ascii", "replace").strip()
+    if not (text.isascii() and text.isdigit()):
+        raise CheckpointError(f"{path}: expected an iteration number, found {raw[:20]!r}")
     return int(text)
 
 
@@ -65,7 +71,10 @@ def verify_checkpoint(directory: str, model) -> None:
     """Refuse a partial, corrupt, foreign or unreadable checkpoint before any collective load.
 
     Every rank runs the same checks on the same files, so all of them raise together instead of
-    some waiting forever in a collective. Checks: the directory, Megatron's `metadata.json` and
+    some waiting forever in a collective. Checks: every file against its size and CRC-32 in
+    `checksums.json` (the ranks share the reading); the `.metadata` index, `common.pt` and the
+    byte objects in the shards hold only the types their formats need (`safe_pickle`: a crafted
+    pickle is refused without running it); the directory, Megatron's `metadata.json` and
     the common state exist (a `common.pt` file up to Megatron-Core 0.16, a `common_state`
     object in the index from 0.17, which 0.16 cannot read); every byte range the torch_dist
     index points at lies inside an existing shard file (missing or truncated shards); the model
@@ -78,20 +87,22 @@ def verify_checkpoint(directory: str, model) -> None:
 
     Raises:
         CheckpointError: naming the file or tensor and the problem (`ModelMismatchError` for
-            tensors this model does not have or has in another shape).
+            tensors this model does not have or has in another shape); for a corrupt or unsafe
+            file also the older complete checkpoint and how to load it (`--ckpt-step`).
     """
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: checkpoint directory is missing")
     for name in ("metadata.json", ".metadata"):
         if not os.path.exists(os.path.join(directory, name)):
             raise CheckpointError(f"{os.path.join(directory, name)}: missing (partial checkpoint)")
+    _check_files(directory)
+    _check_json(os.path.join(directory, "metadata.json"))
+    _check_common_state(directory, index := _read_index(directory))
     try:
-        index = FileSystemReader(directory).read_metadata()
-    except Exception as exc:  # unreadable index: report it as such, whatever torch raised
-        index_file = os.path.join(directory, ".metadata")
-        raise CheckpointError(f"{index_file}: unreadable ({exc})") from exc
-    _check_common_state(directory, index)
-    _check_shard_files(directory, index)
+        _check_shard_files(directory, index)
+        integrity.scan_pickles(directory, index)
+    except (CheckpointError, UnsafePickleError) as exc:
+        raise CheckpointError(f"{exc}; {integrity.fallback_hint(directory)}") from None
     saved = {key: tuple(meta.size) for key, meta in index.state_dict_metadata.items()
              if hasattr(meta, "size") and not OPTIMIZER_KEY.match(key)}
     problem, expected = _model_tensor_problem(directory, saved, chunks_of(model))
@@ -109,6 +120,52 @@ def verify_checkpoint(directory: str, model) -> None:
             f"{directory}: {len(extra)} tensors of the checkpoint are not in this model, e.g. "
             f"{extra[0]!r} (a checkpoint of another model?)"
         )
+
+
+def _check_files(directory: str) -> None:
+    """Every file of the checkpoint has the size and CRC-32 it was saved with (its
+    `checksums.json`); the ranks share the reading and all raise the same error."""
+    try:
+        listed = integrity.read_checksums(directory)
+    except integrity.IntegrityError as exc:
+        raise CheckpointError(f"{exc}; {integrity.fallback_hint(directory)}") from None
+    if listed is None:
+        logger.warning("%s: no %s (saved by another tool or an earlier version): its files "
+                       "cannot be checked for corruption", directory, integrity.CHECKSUMS)
+        return
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problem = None
+    try:
+        integrity.verify_checksums(directory, listed, sorted(listed)[rank::world])
+    except integrity.IntegrityError as exc:
+        problem = str(exc)
+    problems = [problem]
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+    problems = [p for p in problems if p]
+    if problems:
+        raise CheckpointError(f"{problems[0]}; {integrity.fallback_hint(directory)}")
+
+
+def _check_json(path: str) -> None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            json.load(handle)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _read_index(directory: str):
+    """The `.metadata` index, unpickled from the types torch's format needs only (a crafted
+    index is refused without running it)."""
+    try:
+        return integrity.read_index(directory)
+    except UnsafePickleError as exc:
+        raise CheckpointError(f"{exc}; {integrity.fallback_hint(directory)}") from None
+    except OSError as exc:
+        index_file = os.path.join(directory, ".metadata")
+        raise CheckpointError(f"{index_file}: unreadable ({exc})") from exc
 
 
 def _check_common_state(directory: str, index) -> None:
@@ -214,3 +271,39 @@ def model_settings(args) -> dict:
     # variant_settings gives tuples for list-valued fields (YAML gives lists, code may use tuples).
     return {**{name: getattr(args, name) for name in MODEL_SETTINGS},
             **variant_settings(args, scopes=("model",))}
+
+
+# Settings of the data a run was trained on: resuming with another vocabulary, tokenizer or
+# sequence length would go on silently (Megatron resizes the embedding) with another meaning.
+DATA_SETTINGS = {"vocab_size": "--vocab-size", "tokenizer_type": "--tokenizer-type",
+                 "tokenizer": "--tokenizer-model", "seq_length": "--seq-length"}
+
+
+def data_settings(args) -> dict:
+    """The settings of `args` (PretrainArgs, vocab_size resolved) a checkpoint records; the
+    tokenizer by its directory's name (a run may move, the tokenizer stays the same)."""
+    model = args.tokenizer_model
+    return dict(vocab_size=args.vocab_size, tokenizer_type=args.tokenizer_type,
+                tokenizer=os.path.basename(os.path.normpath(model)) if model else None,
+                seq_length=args.seq_length)
+
+
+def check_data_settings(directory: str, saved, current: dict, override: bool) -> None:
+    """Refuse a resume whose data settings differ from the checkpoint's (unless `override`,
+    `--override-checkpoint-data-settings`, then a warning). A checkpoint without them (a
+    converter's, or an earlier version's) is not checked."""
+    if not saved:
+        return
+    changes = [f"{name} {saved[name]!r} in the checkpoint, {current[name]!r} in this run "
+               f"({flag})" for name, flag in DATA_SETTINGS.items()
+               if name in saved and saved[name] != current[name]]
+    if not changes:
+        return
+    if override:
+        logger.warning("%s: resuming with other data settings (--override-checkpoint-data-"
+                       "settings): %s", directory, "; ".join(changes))
+        return
+    raise CheckpointError(
+        f"{directory}: {'; '.join(changes)}; pass the checkpoint's settings, or "
+        "--override-checkpoint-data-settings to change them on purpose"
+    )

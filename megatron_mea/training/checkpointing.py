@@ -4,6 +4,7 @@ Layout (Megatron-LM's): `<save>/iter_0000100/` per checkpoint and
 `<save>/latest_checkpointed_iteration.txt` naming the newest complete one. A checkpoint is written
 under `iter_XXXXXXX.tmp` and renamed only once every rank has finished, and the pointer file is
 replaced atomically after that, so a crash mid-save leaves the previous checkpoint loadable.
+Each checkpoint lists its files with their sizes and CRC-32 (`checksums.json`), checked on load.
 
 Contents, as Megatron-LM's `torch_dist` checkpoints: the model (`model`, or `model0`, `model1`,
 ... per virtual pipeline stage), the optimizer's sharded state dict built with Megatron-LM's
@@ -29,12 +30,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_mea.checkpoint import integrity
 from megatron_mea.training import optimizer_state
 from megatron_mea.training.checkpoint_checks import (
     TRACKER,
     CheckpointError,
+    check_data_settings,
     checkpoint_dir,
     chunks_of,
     latest_iteration,
@@ -207,6 +209,7 @@ def save_checkpoint(
     *,
     use_distributed_optimizer=False,
     fully_reshardable=False,
+    data_settings=None,
 ):
     """Save everything needed to resume exactly, at this or any other layout; all ranks call it.
 
@@ -218,6 +221,8 @@ def save_checkpoint(
         consumed_samples: global training samples consumed so far.
         use_distributed_optimizer, fully_reshardable: select the distributed optimizer's
             sharding type as Megatron-LM does (`dp_reshardable` unless `fully_reshardable`).
+        data_settings: the run's vocabulary, tokenizer and sequence length
+            (`checkpoint_checks.data_settings`), compared on resume.
     """
     final = checkpoint_dir(root, iteration)
     tmp = final + ".tmp"
@@ -236,8 +241,11 @@ def save_checkpoint(
         parallel_layout=parallel_layout(),
         rng_state=_rng_sharded_object(_rng_state()),
     )
+    if data_settings is not None:
+        state["data_settings"] = data_settings
     dist_checkpointing.save(state, tmp, content_metadata=_serializable(metadata))
     dist.barrier()
+    _write_checksums(tmp)
     if dist.get_rank() == 0:
         if os.path.exists(final):  # re-saving an iteration: keep the old one until replaced
             old = final + ".old"
@@ -255,11 +263,23 @@ def save_checkpoint(
     logger.info("saved checkpoint %s", final)
 
 
+def _write_checksums(directory: str) -> None:
+    """Rank 0 writes `checksums.json` of every file of the save; each rank hashes its share."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = integrity.checksum_files(directory, integrity.checkpoint_files(directory)[rank::world])
+    shares = [None] * world
+    dist.all_gather_object(shares, mine)
+    if rank == 0:
+        integrity.write_checksums(directory, {k: v for share in shares for k, v in share.items()})
+
+
 def load_checkpoint(
     root, model, optimizer, scheduler, load_optim=True, load_rng=True,
-    use_distributed_optimizer=False,
+    use_distributed_optimizer=False, iteration=None, data_settings=None,
+    override_data_settings=False,
 ):
-    """Restore the newest checkpoint under `root`; returns (iteration, consumed_samples).
+    """Restore the newest checkpoint under `root` (or that of `iteration`, `--ckpt-step`);
+    returns (iteration, consumed_samples).
 
     At any TP / PP (virtual stages included) / EP / DP layout: Megatron's dist-ckpt reshards the
     model and the optimizer state (Adam moments, fp32 main params where used, through
@@ -267,6 +287,9 @@ def load_checkpoint(
     state is per (PP, TP) rank: restored where those sizes match, otherwise the run keeps its
     fresh seed (as Megatron-LM). The data position is the global sample count, so any DP size
     continues with the same samples. What was resharded is logged on rank 0.
+
+    `data_settings` (this run's vocabulary, tokenizer, sequence length) must equal the
+    checkpoint's unless `override_data_settings`.
 
     `load_optim=False` (`--no-load-optim`) starts a fresh optimizer and scheduler from the
     loaded weights, as Megatron-LM does. A checkpoint without optimizer state (written by the
@@ -279,13 +302,17 @@ def load_checkpoint(
             format at another TP/PP/EP); a schedule that differs from the checkpoint's without
             --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler.
     """
-    iteration = latest_iteration(root)
+    if iteration is None:
+        iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"no {TRACKER} in {root!r}: nothing to load")
     directory = checkpoint_dir(root, iteration)
     chunks = chunks_of(model)
     verify_checkpoint(directory, chunks)
     common = dist_checkpointing.load_common_state_dict(directory)
+    if data_settings is not None:
+        check_data_settings(directory, common.get("data_settings"), data_settings,
+                            override_data_settings)
     saved_metadata = common.get("content_metadata")  # None before this format
     saved_layout = common.get("parallel_layout") or {}
     model_only = "optimizer" not in common or "opt_param_scheduler" not in common
@@ -306,7 +333,7 @@ def load_checkpoint(
         optimizer_state.check_schedule(directory, scheduler, common["opt_param_scheduler"])
         request = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
         optimizer_state.require_saved_tensors(
-            directory, FileSystemReader(directory).read_metadata(), request
+            directory, integrity.read_index(directory), request
         )
         skeleton, kinds = optimizer_state.skeleton(request), optimizer_state.state_kinds(request)
         # Under a key of its own: the common part saved under "optimizer" is rank 0's

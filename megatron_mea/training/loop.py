@@ -22,10 +22,14 @@ from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.cpu import cuda_device_to_cpu, init_cpu_rng_tracker
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
-from megatron_mea.training import checkpointing
+from megatron_mea.training import checkpointing, processes, run_dir
 from megatron_mea.training.arguments import PretrainArgs, save_config
 from megatron_mea.training.batches import MicroBatches
-from megatron_mea.training.checkpoint_checks import ModelMismatchError, explain_model_mismatch
+from megatron_mea.training.checkpoint_checks import (
+    ModelMismatchError,
+    data_settings,
+    explain_model_mismatch,
+)
 from megatron_mea.training.model import (
     build_model,
     build_optimizer,
@@ -124,6 +128,16 @@ class Trainer:
     def __init__(self, args: PretrainArgs):
         self.args = args
         initialize(args)
+        # Before anything is built: one writer per --save, no silent fresh start over a run.
+        self.save_lock, loads = _claim_run_directories(args)
+        try:
+            self._set_up(args, loads)
+        except BaseException:
+            self.close()
+            raise
+
+    def _set_up(self, args: PretrainArgs, loads: bool) -> None:
+        """Build the model, optimizer and data; load the checkpoint if `loads`."""
         from megatron_mea.data import build_gpt_datasets, build_tokenizer
 
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
@@ -153,12 +167,14 @@ class Trainer:
         self.config.grad_scale_func = self.optimizer.scale_loss
 
         self.iteration, consumed = 0, 0
-        if args.load and checkpointing.latest_iteration(args.load) is not None:
+        if loads:
             try:
                 self.iteration, consumed = checkpointing.load_checkpoint(
                     args.load, self.modules, self.optimizer, self.scheduler,
                     load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                     use_distributed_optimizer=args.use_distributed_optimizer,
+                    iteration=args.ckpt_step, data_settings=data_settings(args),
+                    override_data_settings=args.override_checkpoint_data_settings,
                 )
             except ModelMismatchError as exc:
                 # A tensor's name or shape says little about which flag is off; the saving
@@ -202,6 +218,12 @@ class Trainer:
         )
         if args.save and self.rank == 0:
             save_config(args, args.save)
+
+    def close(self) -> None:
+        """Release the lock on --save (the end of the run)."""
+        if self.save_lock is not None:
+            self.save_lock.release()
+            self.save_lock = None
 
     def _build_chunks(self) -> list:
         """This rank's model: its pipeline stage, as one chunk per virtual pipeline stage."""
@@ -383,11 +405,14 @@ class Trainer:
 
     def save(self, root: str) -> None:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
+        # Megatron's writer starts helper processes: they must not outlive a killed run.
+        processes.children_die_with_parent()
         checkpointing.save_checkpoint(
             root, self.iteration, self.modules, self.optimizer, self.scheduler,
             self.consumed_samples,
             use_distributed_optimizer=self.args.use_distributed_optimizer,
             fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
+            data_settings=data_settings(self.args),
         )
 
     def _report(self, record, progress, metrics_path):
@@ -407,9 +432,29 @@ class Trainer:
 
 def pretrain(args: PretrainArgs) -> list:
     """Run a whole pretraining job; returns the history of this process's steps."""
-    trainer = Trainer(args)
     try:
-        return trainer.train()
+        trainer = Trainer(args)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
     finally:
         parallel_state.destroy_model_parallel()
+
+
+def _claim_run_directories(args: PretrainArgs):
+    """(lock on --save or None, whether --load has a checkpoint to load): rank 0 checks and
+    locks, every rank raises the same RunDirectoryError (one line) if it refuses."""
+    lock, loads, problem, unreadable = None, False, None, False
+    if dist.get_rank() == 0:
+        try:
+            lock, loads = run_dir.claim_run_directories(args)
+        except (run_dir.RunDirectoryError, checkpointing.CheckpointError) as exc:
+            problem, unreadable = str(exc), isinstance(exc, checkpointing.CheckpointError)
+    verdict = [(loads, problem, unreadable)]
+    dist.broadcast_object_list(verdict, src=0)
+    loads, problem, unreadable = verdict[0]
+    if problem:
+        raise (checkpointing.CheckpointError if unreadable else run_dir.RunDirectoryError)(problem)
+    return lock, loads
 

@@ -32,7 +32,7 @@ def test_layouts_the_model_cannot_take_are_refused_at_import(checkpoints, tmp_pa
     code = main(["--quiet", "import-hf", "--hf-dir", checkpoints.hf("qwen3")[0],
                  "--save", str(tmp_path / "meg"), "--attention-variant", "mea",
                  "--tensor-model-parallel-size", "8"])
-    assert code == 1
+    assert code == 2
     assert "must be divisible by tensor_model_parallel_size (8)" in capsys.readouterr().err
 
 
@@ -53,19 +53,19 @@ def test_refusals_are_one_line_and_leave_no_directory(checkpoints, tmp_path, cap
         (lambda c: c.update(hidden_size="64"), "field 'hidden_size' must be an integer, got '64'"),
     ):
         bad = edited_copy(hf_dir, str(tmp_path / "bad"), edit_config=edit)
-        assert main(["--quiet", "import-hf", "--hf-dir", bad, "--save", save]) == 1
+        assert main(["--quiet", "import-hf", "--hf-dir", bad, "--save", save]) == 2
         assert _one_error_line(capsys) == f"error: {config}: {message}"
         assert sorted(os.listdir(tmp_path)) == ["bad"]  # no --save directory
         shutil.rmtree(bad)
 
     before = sorted(os.listdir(hf_dir))  # --save the input folder: refused, left as it was
-    assert main(["--quiet", "import-hf", "--hf-dir", hf_dir, "--save", hf_dir]) == 1
+    assert main(["--quiet", "import-hf", "--hf-dir", hf_dir, "--save", hf_dir]) == 2
     assert _one_error_line(capsys).startswith(f"error: {hf_dir}: not empty (holds config.json")
     assert sorted(os.listdir(hf_dir)) == before
 
     reference = edited_copy(hf_dir, str(tmp_path / "ref"), edit_config=lambda c: c.update(
         num_hidden_layers=3, layer_types=["full_attention"] * 3))
     assert main(["--quiet", "export-hf", "--load", checkpoints.imported("qwen3"),
-                 "--save", str(tmp_path / "out"), "--reference", reference]) == 1
+                 "--save", str(tmp_path / "out"), "--reference", reference]) == 2
     assert "num_hidden_layers is 3, the checkpoint's model has 2" in _one_error_line(capsys)
     assert sorted(os.listdir(tmp_path)) == ["ref"]  # no weights without a config.json

@@ -227,12 +227,12 @@ def test_writer_checks_every_tensor_against_the_model(checkpoints, tmp_path):
         import_hf_checkpoint(checkpoints.hf("llama")[0], checkpoints.imported("llama"))
 
 
-def test_cli_reports_refusals_with_exit_status_1(checkpoints, tmp_path, capsys):
+def test_cli_reports_refusals_with_exit_status_2(checkpoints, tmp_path, capsys):
     from megatron_mea.cli.convert import main
 
     source = edited_copy(checkpoints.hf("llama")[0], str(tmp_path / "hf"),
                           edit_config=lambda c: c.update(hidden_act="gelu"))
-    assert main(["--quiet", "import-hf", "--hf-dir", source, "--save", str(tmp_path / "o")]) == 1
+    assert main(["--quiet", "import-hf", "--hf-dir", source, "--save", str(tmp_path / "o")]) == 2
     assert "error: hidden_act ('gelu') is not supported" in capsys.readouterr().err
     with pytest.raises(SystemExit) as usage:
         main(["import-hf", "--save", str(tmp_path / "o")])

@@ -62,7 +62,7 @@ def test_export_strips_the_padding(odd_vocab, tmp_path):
 def test_a_multiple_tp_cannot_split_is_refused_in_one_line(odd_vocab, tmp_path, capsys):
     save = str(tmp_path / "meg")
     assert main(["--quiet", "import-hf", "--hf-dir", odd_vocab[0], "--save", save,
-                 "--tensor-model-parallel-size", "8", "--make-vocab-size-divisible-by", "100"]) == 1
+                 "--tensor-model-parallel-size", "8", "--make-vocab-size-divisible-by", "100"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
         "error: make_vocab_size_divisible_by (100) must be a positive multiple of "

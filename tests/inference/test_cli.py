@@ -57,7 +57,7 @@ def test_greedy_generation_is_deterministic_at_any_tp_and_reports_speed_and_cach
             [*greedy, "--tp", "2"], [*greedy, "--tp", "1", "--no-stream"],
             ["--load", checkpoint + "/iter_0000009", "--prompt", "x"]]
     outputs = run_distributed(_workers.generate_cli, 2, runs)
-    assert [rc for rc, _ in outputs[0]] == [0, 0, 0, 0, 0, 1]  # no such checkpoint: exit 1
+    assert [rc for rc, _ in outputs[0]] == [0, 0, 0, 0, 0, 2]  # no such checkpoint: refused, exit 2
     assert all(text == "" for _, text in outputs[1])  # only rank 0 prints
     (_, first), (_, second), (_, batch), (_, tp2), (_, whole), _ = outputs[0]
 

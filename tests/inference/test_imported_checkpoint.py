@@ -92,7 +92,7 @@ def test_mea_generate_refuses_a_tp_size_in_one_line(tiny):
          "--prompt", "hello"],
         capture_output=True, text=True, env=env, timeout=300,
     )
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
     assert errors == [

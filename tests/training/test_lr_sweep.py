@@ -119,7 +119,12 @@ def test_every_preset_run_passes_mea_pretrain_validation(preset, tmp_path):
     from megatron_mea.cli.lr_sweep import build_parser, check_commands, resolve
     from megatron_mea.training.sweep_runs import prepare_sweep
 
-    (tmp_path / "data.idx").write_bytes(b"")
+    # Validation reads the dataset's index: a real one, with documents for every split.
+    from megatron_mea.data import ByteLevelTokenizer, preprocess_files
+
+    (tmp_path / "data.jsonl").write_text("".join('{"text": "doc %d"}\n' % i for i in range(1000)))
+    preprocess_files([str(tmp_path / "data.jsonl")], str(tmp_path / "data"), ByteLevelTokenizer(),
+                     append_eod=True, progress=False)
     args = build_parser().parse_args(
         ["--preset", preset, "--out", str(tmp_path / "out"), "--data-path", str(tmp_path / "data")]
     )

@@ -132,7 +132,8 @@ def test_nan_stop_policy_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("good") / "ckpt")
-    run_distributed(_train, 1, [*TINY, "--train-iters", "2", "--save", ckpt])
+    run_distributed(_train, 1, [*TINY, "--train-iters", "2", "--save", ckpt, "--save-interval",
+                                "1"])
     return ckpt
 
 
@@ -157,6 +158,8 @@ def _corrupt(saved, tmp_path, how):
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
     iteration = os.path.join(ckpt, "iter_0000002")
+    # The checks that do not need the checksum list: as for a checkpoint saved without one.
+    os.remove(os.path.join(iteration, "checksums.json"))
     shards = sorted(f for f in os.listdir(iteration) if f.endswith(".distcp"))
     shard = os.path.join(iteration, shards[0])
     if how == "missing shard":
@@ -169,6 +172,17 @@ def _corrupt(saved, tmp_path, how):
     elif how == "bad pointer":
         with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "w") as handle:
             handle.write("two")
+    elif how == "binary pointer":
+        with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt"), "wb") as handle:
+            handle.write(b"\xff\xfe\x00\x01")
+    elif how == "corrupt metadata.json":
+        with open(os.path.join(iteration, "metadata.json"), "w") as handle:
+            handle.write('{"sharded_backend": ')
+    elif how == "corrupt common.pt":
+        if not os.path.exists(os.path.join(iteration, "common.pt")):
+            pytest.skip("this Megatron-Core writes no common.pt")
+        with open(os.path.join(iteration, "common.pt"), "r+b") as handle:
+            handle.truncate(50)
     return ckpt, shard
 
 
@@ -179,6 +193,11 @@ def _corrupt(saved, tmp_path, how):
         ("truncated shard", r"__0_0.distcp: truncated \(100 bytes"),
         ("missing common state", r"common.pt: missing, and no 'common_state' object in the index"),
         ("bad pointer", r"latest_checkpointed_iteration.txt: expected an iteration number"),
+        ("binary pointer", r"latest_checkpointed_iteration.txt: expected an iteration number, "
+                           r"found b'\\xff\\xfe"),
+        ("corrupt metadata.json", r"metadata.json: not valid JSON"),
+        ("corrupt common.pt", r"common.pt: not a torch.save archive .* the older checkpoint "
+                              r"iter_0000001 is complete: pass --ckpt-step 1"),
     ],
 )
 def test_corrupt_checkpoint_is_refused_naming_the_file(saved_checkpoint, tmp_path, how, match):
@@ -233,7 +252,7 @@ def _one_line_error(stderr):
 def test_cli_refuses_another_models_checkpoint_in_one_line(saved_checkpoint):
     status, stderr = _cli([*TINY, "--train-iters", "4", "--load", saved_checkpoint,
                            "--num-query-groups", "4"])
-    assert status == 1
+    assert status == 2  # a refused input
     line = _one_line_error(stderr)
     assert re.search(r"num_query_groups 2 in the checkpoint, 4 in this run", line), line
 
@@ -256,6 +275,7 @@ def _as_newer_layout(saved, tmp_path):
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved, ckpt)
     iteration = os.path.join(ckpt, "iter_0000002")
+    os.remove(os.path.join(iteration, "checksums.json"))  # as Megatron-LM writes it
     common = os.path.join(iteration, "common.pt")
     if os.path.exists(common):
         os.remove(common)
@@ -288,5 +308,88 @@ def test_newer_megatron_checkpoint_is_refused_where_unreadable(
 def test_cli_refuses_a_newer_megatron_checkpoint_in_one_line(saved_checkpoint, tmp_path):
     ckpt, _ = _as_newer_layout(saved_checkpoint, tmp_path)
     status, stderr = _cli([*TINY, "--train-iters", "4", "--load", ckpt])
-    assert status == 1
+    assert status == 2
     assert re.search(NEWER_LAYOUT, _one_line_error(stderr))
+
+
+# ---- checksums, crafted pickles, data settings ------------------------------------------------
+
+
+def _flip_a_bit(path, offset=5000):
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ 0x40]))  # an exponent bit of a float32, as in the report
+
+
+def test_a_flipped_bit_is_refused_naming_the_file_and_the_older_checkpoint(
+    saved_checkpoint, tmp_path
+):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved_checkpoint, ckpt)
+    _flip_a_bit(os.path.join(ckpt, "iter_0000002", "__0_0.distcp"))
+    status, stderr = _cli([*TINY, "--train-iters", "2", "--load", ckpt])
+    assert status == 2
+    assert re.search(r"iter_0000002/__0_0.distcp: checksum mismatch .* the older checkpoint "
+                     r"iter_0000001 is complete: pass --ckpt-step 1 to load it instead",
+                     _one_line_error(stderr))
+    # The fallback is explicit: the older checkpoint loads when asked for.
+    assert run_distributed(_train, 1, [*TINY, "--train-iters", "2", "--load", ckpt,
+                                       "--ckpt-step", "1"])[0]
+
+
+class _Payload:
+    """Runs a shell command when unpickled (the attack)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("target", [".metadata", "common.pt"])
+def test_a_crafted_pickle_is_refused_without_running_it(saved_checkpoint, tmp_path, target):
+    import torch
+
+    from megatron_mea.checkpoint import integrity
+    from megatron_mea.training.checkpointing import CheckpointError, verify_checkpoint
+
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(saved_checkpoint, ckpt)
+    iteration = os.path.join(ckpt, "iter_0000002")
+    path, marker = os.path.join(iteration, target), tmp_path / "ran"
+    if target == ".metadata":
+        index = FileSystemReader(iteration).read_metadata()
+        index.planner_data = _Payload(marker)
+        with open(path, "wb") as handle:
+            pickle.dump(index, handle)
+    elif os.path.exists(path):  # Megatron-Core 0.16 (0.17+ keeps the common state in the index)
+        torch.save({"iteration": 2, "rng": _Payload(marker)}, path)
+    else:
+        pytest.skip("this Megatron-Core writes no common.pt")
+    # A forger rewrites the checksum list too: the unpickler is the guard.
+    files = integrity.checkpoint_files(iteration)
+    integrity.write_checksums(iteration, integrity.checksum_files(iteration, files))
+    with pytest.raises(CheckpointError, match=rf"{target}: refused: it names (os|posix)\.system"):
+        verify_checkpoint(iteration, model=None)
+    status = subprocess.run(
+        [sys.executable, "-m", "megatron_mea.cli.generate", "--load", ckpt, "--prompt", "x"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={k: v for k, v in os.environ.items() if k not in _RENDEZVOUS},
+    )
+    assert status.returncode != 0 and "Traceback" not in status.stderr, status.stderr[-3000:]
+    assert re.search(r"refused: it names (os|posix)\.system", status.stderr)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--seq-length", "64"], r"seq_length 32 in the checkpoint, 64 in this run \(--seq-length\)"),
+    (["--vocab-size", "1000"],
+     r"vocab_size 257 in the checkpoint, 1000 in this run \(--vocab-size\)"),
+])
+def test_resuming_with_other_data_settings_is_refused(saved_checkpoint, flags, match):
+    argv = [*TINY, "--train-iters", "2", "--load", saved_checkpoint, *flags]
+    with pytest.raises(RuntimeError, match=match + r".*--override-checkpoint-data-settings"):
+        run_distributed(_train, 1, argv)

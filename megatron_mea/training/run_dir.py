@@ -1,0 +1,182 @@
+"""The run directories of `mea-pretrain`: one writer per `--save`, no run started over another.
+
+Three rules, checked on rank 0 before any model is built (`claim_run_directories`):
+
+- A lock on `--save` (`mea-pretrain.lock`, an exclusive `flock` held for the whole run): a
+  second run writing to the same directory is refused, naming the holder. The kernel drops the
+  lock when its process dies, however it dies; a lock file left behind by a dead process is a
+  stale lock: reported and taken over.
+- `--load` must find a checkpoint (`--exit-on-missing-checkpoint`, the default here): a typo, a
+  deleted `latest_checkpointed_iteration.txt` or a wrong path is an error, not a silent fresh
+  start; `--no-exit-on-missing-checkpoint` asks for a fresh start when there is nothing to load.
+- A run that does not continue the run in `--save` (a fresh start, or a `--load` of another
+  directory) refuses a `--save` that holds checkpoints unless `--overwrite-save` is given; the
+  previous run's `metrics.jsonl` is then moved aside (`metrics.jsonl.<n>`), so that the file
+  only ever holds one run's steps.
+"""
+
+import fcntl
+import logging
+import os
+import re
+import socket
+import time
+from typing import Optional, Tuple
+
+from megatron_mea.training.checkpoint_checks import TRACKER, latest_iteration
+
+logger = logging.getLogger(__name__)
+
+LOCK = "mea-pretrain.lock"
+METRICS = "metrics.jsonl"
+_ITER_DIR = re.compile(r"^iter_(\d{7})$")
+
+
+class RunDirectoryError(ValueError):
+    """A `--save` or `--load` directory this run must not use as asked (one line)."""
+
+
+def saved_iterations(root: str) -> list:
+    """The iterations of the `iter_XXXXXXX` directories under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m)
+
+
+class SaveLock:
+    """An exclusive lock on a `--save` directory, held from `acquire` to `release` (or the
+    process's death: `flock` locks die with their process)."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self.path = os.path.join(root, LOCK)
+        self.fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise RunDirectoryError naming the run that holds it."""
+        os.makedirs(self.root, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read(fd) or "another process"
+                os.close(fd)
+                raise RunDirectoryError(
+                    f"--save {self.root}: in use by another run ({holder}; lock {self.path}); "
+                    "two runs must not write to one directory: wait for it to end or choose "
+                    "another --save"
+                ) from None
+            # The holder may have removed the file between our open and our lock: then the lock
+            # is on a deleted file, and another process may lock a new one. Retry on the path.
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        stale = _read(fd)
+        if stale:
+            logger.warning("--save %s: stale lock of a run that is no longer running (%s); "
+                           "taking it over", self.root, stale)
+        os.ftruncate(fd, 0)
+        holder = (f"pid {os.getpid()} on {socket.gethostname()}, started "
+                  f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
+        os.pwrite(fd, holder.encode("ascii", "replace"), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        """Remove the lock file and drop the lock (idempotent)."""
+        if self.fd is None:
+            return
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def _read(fd: int) -> str:
+    return os.pread(fd, 4096, 0).decode("ascii", "replace").strip()
+
+
+def _same_directory(a: Optional[str], b: Optional[str]) -> bool:
+    return bool(a and b) and os.path.realpath(a) == os.path.realpath(b)
+
+
+def check_load(args) -> bool:
+    """Whether `--load` has a checkpoint to load; raise RunDirectoryError where it has none and
+    a fresh start was not asked for (`--no-exit-on-missing-checkpoint`)."""
+    if not args.load:
+        return False
+    if args.ckpt_step is not None or latest_iteration(args.load) is not None:
+        return True
+    if not args.exit_on_missing_checkpoint:
+        logger.warning("--load %s: no checkpoint there; starting from scratch "
+                       "(--no-exit-on-missing-checkpoint)", args.load)
+        return False
+    if not os.path.isdir(args.load):
+        what = "no such directory"
+    else:
+        found = saved_iterations(args.load)
+        what = f"no {TRACKER}" + (
+            f" (iter_{found[-1]:07d} is there: pass --ckpt-step {found[-1]} to load it)"
+            if found else ""
+        )
+    raise RunDirectoryError(
+        f"--load {args.load}: {what}; pass --no-exit-on-missing-checkpoint to start from "
+        "scratch instead"
+    )
+
+
+def check_save(args, loads: bool) -> None:
+    """Refuse a `--save` holding checkpoints of a run this one does not continue (unless
+    `--overwrite-save`), and move that run's `metrics.jsonl` aside where this is a new run."""
+    if not args.save:
+        return
+    continues = loads and _same_directory(args.load, args.save)
+    if continues:
+        return
+    found = saved_iterations(args.save)
+    has_tracker = os.path.exists(os.path.join(args.save, TRACKER))
+    if (found or has_tracker) and not args.overwrite_save:
+        held = f"iter_{found[-1]:07d}" if found else TRACKER
+        start = f"loads {args.load}" if loads else "starts from scratch"
+        raise RunDirectoryError(
+            f"--save {args.save}: holds checkpoints of another run ({held}) and this run "
+            f"{start}; pass --load {args.save} to continue that run, or --overwrite-save to "
+            "write over it"
+        )
+    metrics = os.path.join(args.save, METRICS)
+    if os.path.exists(metrics):
+        number = 1
+        while os.path.exists(f"{metrics}.{number}"):
+            number += 1
+        os.rename(metrics, f"{metrics}.{number}")
+        logger.warning("--save %s: a new run; the previous run's %s is now %s.%d",
+                       args.save, METRICS, METRICS, number)
+
+
+def claim_run_directories(args) -> Tuple[Optional[SaveLock], bool]:
+    """Lock `--save` and apply the `--load` / `--save` rules (rank 0 only); returns the lock
+    (None without `--save`), to be released at the end of the run, and whether `--load` has a
+    checkpoint to load.
+
+    Raises:
+        RunDirectoryError: the directory is locked by a live run, `--load` has no checkpoint,
+            or `--save` holds another run's checkpoints.
+    """
+    lock = None
+    if args.save:
+        lock = SaveLock(args.save)
+        lock.acquire()
+    try:
+        loads = check_load(args)
+        check_save(args, loads)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return lock, loads

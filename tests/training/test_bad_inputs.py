@@ -1,0 +1,82 @@
+"""Bad `mea-pretrain` inputs are refused before any model is built: one line naming the flag or
+the file, exit status 2 (1 is kept for failures at run time)."""
+
+import json
+import re
+
+import pytest
+
+from megatron_mea.cli.pretrain import main
+from megatron_mea.data import ByteLevelTokenizer, preprocess_files
+
+MOCK = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--num-experts", "4", "--no-progress-bar"]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("data")
+    jsonl = directory / "ds.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"doc {i} " * 30}) + "\n" for i in range(5)))
+    prefix = str(directory / "ds")
+    preprocess_files([str(jsonl)], prefix, ByteLevelTokenizer(), append_eod=True, progress=False)
+    return prefix
+
+
+def _refused(argv, capsys):
+    """(exit status, the one `mea-pretrain: error:` line); no traceback."""
+    status = main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("mea-pretrain: error:")]
+    assert len(lines) == 1, err
+    return status, lines[0]
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--lr", "-1"], r"lr \(-1.0\) must be >= 0"),
+    (["--adam-beta1", "1.5"], r"adam_beta1 \(1.5\) must be in \[0, 1\)"),
+    (["--moe-router-topk", "8"], r"moe_router_topk \(8\) must be in \[1, num_experts \(4\)\]"),
+    (["--split", "a,b"], r"split \('a,b'\) must be up to three numbers"),
+    (["--seq-length", "128", "--max-position-embeddings", "64"],
+     r"seq_length \(128\) must not exceed max_position_embeddings \(64\)"),
+    (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/no/such/tokenizer"],
+     r"tokenizer_model: no such file or directory '/no/such/tokenizer'"),
+    (["--ckpt-step", "3"], r"ckpt_step \(3\) needs load"),
+])
+def test_bad_flags_are_refused_in_one_line(flags, match, capsys):
+    status, line = _refused([*MOCK, *flags], capsys)
+    assert status == 2
+    assert re.search(match, line), line
+
+
+def test_bad_config_files_are_named(tmp_path, capsys):
+    missing = str(tmp_path / "missing.yaml")
+    status, line = _refused(["--config", missing], capsys)
+    assert status == 2 and f"{missing}: cannot read the config" in line
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("lr: 1e-3\nhidden-size: [64\n")
+    status, line = _refused(["--config", str(broken)], capsys)
+    assert status == 2 and f"{broken}: not valid YAML at line" in line
+
+
+def test_damaged_data_and_a_split_without_documents_are_named(dataset, tmp_path, capsys):
+    data = ["--num-layers", "2", "--no-progress-bar", "--data-path"]
+    status, line = _refused([*data, dataset], capsys)  # 969,30,1 of 5 documents
+    assert status == 2
+    assert "the valid split of" in line and "gets 0 of its 5 documents" in line
+    empty = str(tmp_path / "empty")
+    for suffix in (".bin", ".idx"):
+        with open(dataset + suffix, "rb") as src, open(empty + suffix, "wb") as dst:
+            dst.write(src.read() if suffix == ".idx" else b"")
+    status, line = _refused([*data, empty, "--split", "1,0,0"], capsys)
+    assert status == 2 and f"{empty}.bin: truncated or empty (0 bytes" in line
+
+
+def test_generate_refuses_an_empty_prompt_before_loading(tmp_path, capsys):
+    from megatron_mea.cli.generate import main as generate
+
+    with pytest.raises(SystemExit) as exited:  # argparse's usage error: status 2
+        generate(["--load", str(tmp_path / "nothing-here"), "--prompt", "Hi", "--prompt", ""])
+    assert exited.value.code == 2
+    assert "prompt 1 is empty: a prompt needs at least one token" in capsys.readouterr().err

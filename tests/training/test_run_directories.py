@@ -1,0 +1,176 @@
+"""`run_dir`: one writer per --save (a lock that dies with its process), no silent fresh start
+from a --load without a checkpoint, no fresh run over another run's checkpoints, and a
+metrics.jsonl of one run only. Plain file-system checks, no process group."""
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import psutil
+import pytest
+
+from megatron_mea.training.run_dir import (
+    LOCK,
+    RunDirectoryError,
+    SaveLock,
+    check_load,
+    claim_run_directories,
+)
+
+
+def _args(**kwargs):
+    values = dict(save=None, load=None, ckpt_step=None, exit_on_missing_checkpoint=True,
+                  overwrite_save=False)
+    return SimpleNamespace(**{**values, **kwargs})
+
+
+def _run_dir(path, iterations=(3,), tracker=True, metrics=True):
+    os.makedirs(path, exist_ok=True)
+    for iteration in iterations:
+        os.makedirs(os.path.join(path, f"iter_{iteration:07d}"))
+    if tracker:
+        with open(os.path.join(path, "latest_checkpointed_iteration.txt"), "w") as handle:
+            handle.write(str(iterations[-1]))
+    if metrics:
+        with open(os.path.join(path, "metrics.jsonl"), "w") as handle:
+            handle.write('{"iteration": 1}\n')
+    return str(path)
+
+
+def test_a_second_writer_is_refused_naming_the_holder(tmp_path):
+    first = SaveLock(str(tmp_path))
+    first.acquire()
+    with pytest.raises(RunDirectoryError, match=rf"--save {tmp_path}: in use by another run "
+                                                rf"\(pid {os.getpid()} on .*; lock .*{LOCK}\)"):
+        SaveLock(str(tmp_path)).acquire()  # another open file: flock refuses it
+    first.release()
+    assert not os.path.exists(tmp_path / LOCK)
+    second = SaveLock(str(tmp_path))
+    second.acquire()
+    second.release()
+
+
+def test_a_stale_lock_of_a_dead_run_is_reported_and_taken_over(tmp_path, caplog):
+    (tmp_path / LOCK).write_text("pid 999999 on elsewhere, started 2026-01-01 00:00:00")
+    lock = SaveLock(str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        lock.acquire()
+    assert "stale lock of a run that is no longer running (pid 999999 on elsewhere" in caplog.text
+    assert f"pid {os.getpid()}" in (tmp_path / LOCK).read_text()
+    lock.release()
+
+
+def test_a_load_without_a_checkpoint_is_an_error_unless_a_fresh_start_is_asked(tmp_path):
+    typo = str(tmp_path / "typo")
+    with pytest.raises(RunDirectoryError, match=r"--load .*typo: no such directory; pass "
+                                                r"--no-exit-on-missing-checkpoint"):
+        check_load(_args(load=typo))
+    assert check_load(_args(load=typo, exit_on_missing_checkpoint=False)) is False
+    run = _run_dir(tmp_path / "run", iterations=(3, 6), tracker=False)  # the marker deleted
+    with pytest.raises(RunDirectoryError, match=r"no latest_checkpointed_iteration.txt "
+                                                r"\(iter_0000006 is there: pass --ckpt-step 6"):
+        check_load(_args(load=run))
+    assert check_load(_args(load=run, ckpt_step=3)) is True
+
+
+def test_a_fresh_run_refuses_a_save_holding_checkpoints(tmp_path):
+    run = _run_dir(tmp_path / "run")
+    for args in (_args(save=run),  # a forgotten --load
+                 _args(save=run, load=_run_dir(tmp_path / "other"))):  # another run's weights
+        with pytest.raises(RunDirectoryError, match=r"holds checkpoints of another run "
+                                                    r"\(iter_0000003\).*--overwrite-save"):
+            claim_run_directories(args)
+        assert not os.path.exists(os.path.join(run, LOCK))  # released on refusal
+    assert os.path.exists(os.path.join(run, "metrics.jsonl"))  # nothing moved or lost
+
+
+def test_continuing_keeps_the_metrics_and_a_new_run_moves_them_aside(tmp_path):
+    run = _run_dir(tmp_path / "run")
+    lock, loads = claim_run_directories(_args(save=run, load=run))
+    assert loads and os.path.exists(os.path.join(run, "metrics.jsonl"))
+    lock.release()
+    lock, loads = claim_run_directories(_args(save=run, overwrite_save=True))
+    assert not loads and not os.path.exists(os.path.join(run, "metrics.jsonl"))
+    assert open(os.path.join(run, "metrics.jsonl.1")).read() == '{"iteration": 1}\n'
+    lock.release()
+    # A run that died before its first checkpoint left metrics only: a fresh start moves them.
+    early = _run_dir(tmp_path / "early", iterations=(), tracker=False)
+    lock, _ = claim_run_directories(_args(save=early))
+    assert sorted(os.listdir(early)) == [LOCK, "metrics.jsonl.1"]
+    lock.release()
+
+
+# ---- the command line: a second writer, a SIGKILLed run, a typo in --load -------------------
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",
+    "--moe-ffn-hidden-size", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
+    "--mock-data", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
+    "--no-progress-bar", "--attention-variant", "mea",
+]
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _command(argv):
+    return [sys.executable, "-m", "megatron_mea.cli.pretrain", *TINY, *argv]
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
+
+
+def _refusal(argv):
+    """Run mea-pretrain to its refusal: (status, its one error line, stderr)."""
+    run = subprocess.run(_command(argv), cwd=_ROOT, env=_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("mea-pretrain: error:")]
+    assert len(lines) == 1, run.stderr[-3000:]
+    return run.returncode, lines[0], run.stderr
+
+
+def test_second_writer_sigkill_and_a_typo_lose_nothing(tmp_path):
+    save = str(tmp_path / "run")
+    tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
+    first = subprocess.Popen(_command(["--train-iters", "100000", "--save", save,
+                                       "--save-interval", "1"]),
+                             cwd=_ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not os.path.exists(tracker) and first.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert os.path.exists(tracker), "the first run saved no checkpoint"
+        # A second writer (resuming the same directory) is refused while the first one runs.
+        status, line, _ = _refusal(["--train-iters", "4", "--save", save, "--load", save])
+        assert status == 2
+        assert re.search(rf"--save {save}: in use by another run \(pid {first.pid} on ", line)
+        # SIGKILL: the trainer's helper processes (checkpoint writers) die with it.
+        helpers = psutil.Process(first.pid).children(recursive=True)
+        assert helpers, "the trainer has no helper process to check"
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=60)
+        _, alive = psutil.wait_procs(helpers, timeout=15)
+        assert not alive, f"{[p.pid for p in alive]} outlived the killed trainer"
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    saved = open(tracker).read()
+    # A forgotten --load: the stale lock is reported and the fresh run refused.
+    status, line, stderr = _refusal(["--train-iters", "4", "--save", save])
+    assert status == 2 and "stale lock of a run that is no longer running" in stderr
+    assert re.search(r"holds checkpoints of another run \(iter_\d{7}\) and this run starts "
+                     r"from scratch; pass --load .* --overwrite-save", line)
+    # A typo in --load.
+    status, line, _ = _refusal(["--train-iters", "4", "--save", save, "--load", save + "x"])
+    assert status == 2 and re.search(r"--load .*runx: no such directory; pass "
+                                     r"--no-exit-on-missing-checkpoint", line)
+    assert open(tracker).read() == saved  # nothing was overwritten
