@@ -16,7 +16,9 @@ P1 ``torch.cuda.current_device`` returns ``torch.device("cpu")`` (0.16, 0.19).
    raise.
 P2 (moved) 0.16's unbound ``moe_utils.te_general_gemm`` without Transformer Engine is not a CPU
    problem: a GPU without TE fails the same way. :func:`megatron_mea.compat.
-   bind_te_general_gemm_without_te` fixes it wherever TE is absent; the spec builders call it.
+   bind_te_general_gemm_without_te` fixes it wherever TE is absent; the spec builders call it,
+   and so does this context on entry (for models built from Megatron's own specs). The binding
+   is Megatron-Core 0.17's own behaviour, so it is not undone on exit.
 P3 ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` return a no-op CPU stream, and
    ``torch.cuda.synchronize`` is a no-op (0.16, 0.19). Symptom: ``RuntimeError: torch.cuda.Stream
    requires CUDA support`` in the alltoall dispatcher (``transformer/moe/token_dispatcher.py:445``
@@ -335,6 +337,9 @@ def megatron_on_cpu() -> Iterator[bool]:
         return
     with contextlib.ExitStack() as undo:
         if _depth == 0:
+            from megatron_mea.compat import bind_te_general_gemm_without_te
+
+            bind_te_general_gemm_without_te()
             patcher = _Patcher(undo)
             for patch in _PATCHES:
                 patch(patcher)

@@ -91,7 +91,11 @@ def apply_attention_variant(
     """Return `spec` (a layer spec or a block spec) with the self-attention of `config`'s variant.
 
     Megatron shares one spec object between all layers of a kind; the copy keeps that sharing.
+    Megatron-LM's own scripts (patched) build their spec and then call this, so the MoE router
+    fix for a missing TE (`compat.bind_te_general_gemm_without_te`) is applied here too.
     """
+    if getattr(config, "num_moe_experts", None):
+        bind_te_general_gemm_without_te()
     module = attention_module(config)
     if module is SelfAttention:
         return spec
