@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` <-> the Megatron model description (`PretrainArgs` + overrides).
+"""Hugging Face `config.json` <-> the Megatron model description (`PretrainArgs`).
 
 Import refuses what the Megatron model cannot compute the same way (another activation, RoPE
 scaling other than Megatron's llama3 form, sliding windows, biases Megatron does not have),
@@ -253,19 +253,16 @@ def description_from_hf(
             # is Megatron's top-k-then-softmax; otherwise softmax over all experts, then top-k.
             moe_router_pre_softmax=fam.name == "qwen3_moe" and not config.norm_topk_prob,
         )
-    args, overrides = {}, {}
-    for name, value in fields.items():
-        if name in _ARG_FIELDS:
-            args[name] = value
-        else:
-            overrides[name] = value
+    unknown = sorted(set(fields) - _ARG_FIELDS)
+    if unknown:
+        raise TypeError(f"description_from_hf: {unknown} are not PretrainArgs fields")
     hf_config = config.to_dict()
     for name in VARIANT_FIELDS:
         hf_config.pop(name, None)
     if native:
         hf_config["model_type"] = fam.name
         hf_config["architectures"] = [fam.architecture]
-    description = ModelDescription(PretrainArgs(**args), overrides, hf_config)
+    description = ModelDescription(PretrainArgs(**fields), hf_config)
     description.transformer_config()  # validates the variant and the parallel sizes
     return description
 
@@ -312,7 +309,7 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
         raise ConversionError(
             f"num_moe_experts ({config.num_moe_experts}) does not match the {fam.name} family"
         )
-    theta = float(description.overrides.get("rotary_base", args.rotary_base))
+    theta = float(args.rotary_base)
     template.update(
         model_type=fam.name,
         architectures=[fam.architecture],
