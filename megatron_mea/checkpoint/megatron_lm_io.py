@@ -29,6 +29,7 @@ import io
 import logging
 import os
 import pathlib
+import re
 import types
 from typing import Dict
 
@@ -98,9 +99,11 @@ def safe_load(source) -> object:
         with torch.serialization.safe_globals(ALLOWED_TYPES):
             return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError / RuntimeError naming the global
+        found = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        what = found.group(1) if found else " ".join(str(exc).split())[:300]
         raise ConversionError(
-            f"{getattr(source, 'name', 'common state')}: not read, it holds a type outside the "
-            f"allow-list of Megatron-LM's saved arguments ({str(exc).splitlines()[-1][:300]})"
+            f"{getattr(source, 'name', 'common state')}: not read, it holds {what}, outside the "
+            "allow-list of what Megatron-LM's saved arguments hold"
         ) from exc
 
 

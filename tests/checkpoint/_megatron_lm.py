@@ -43,6 +43,7 @@ def megatron_lm_args(argv, world_size, tag):
 
     from megatron_mea.integrations.dry_run import dry_run
 
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as Megatron-LM's launch scripts set it
     result = dry_run(CPU_FLAGS + list(argv), world_size, tag=tag)
     args, config = result["args"], result["config"]
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
