@@ -245,7 +245,10 @@ def load_model_weights(model, root: str, iteration: Optional[int] = None) -> Non
     """Load the model tensors of a checkpoint into `model` (any TP / PP / EP; all ranks call)."""
     directory = resolve_checkpoint(root, iteration)
     verify_checkpoint(directory, model)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    from megatron_mea.checkpoint.megatron_lm_io import common_state_types
+
+    with common_state_types():  # a Megatron-LM checkpoint's common state holds its arguments
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(loaded["model"])
 
 

@@ -89,6 +89,12 @@ ALLOWED_TYPES = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, i
 ]
 
 
+def common_state_types():
+    """Context in which `torch.load(weights_only=True)` (Megatron-Core's `dist_checkpointing.load`
+    reading a common state) accepts the types of Megatron-LM's saved arguments, and no more."""
+    return torch.serialization.safe_globals(ALLOWED_TYPES)
+
+
 def safe_load(source) -> object:
     """`torch.load(weights_only=True)` of a common state with the allow-list above.
 
@@ -96,7 +102,7 @@ def safe_load(source) -> object:
         ConversionError: the state holds a type outside the list (named).
     """
     try:
-        with torch.serialization.safe_globals(ALLOWED_TYPES):
+        with common_state_types():
             return torch.load(source, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises UnpicklingError / RuntimeError naming the global
         found = re.search(r"GLOBAL ([\w.]+)", str(exc))
@@ -204,8 +210,14 @@ def description_from_megatron_lm(args: argparse.Namespace, where: str) -> ModelD
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         transformer_impl="local",
     )
+    # The tokenizer travels with the description only when it is a Hugging Face one (a local
+    # directory that the export copies and mea-generate loads); otherwise none is recorded.
+    run.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=None)
     if args.tokenizer_type == "HuggingFaceTokenizer":
-        run.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=args.tokenizer_model)
+        run["tokenizer_model"] = args.tokenizer_model
+    else:
+        logger.warning("%s: tokenizer_type %s is not a Hugging Face tokenizer: none is recorded "
+                       "(the export carries no tokenizer files)", where, args.tokenizer_type)
     try:
         description = ModelDescription(PretrainArgs(**fields, **run))
         if padded is not None and description.args.padded_vocab_size != padded:

@@ -30,7 +30,7 @@ CPU_FLAGS = [
     "--transformer-impl", "local", "--use-cpu-initialization", "--no-masked-softmax-fusion",
     "--no-bias-dropout-fusion", "--no-bias-swiglu-fusion", "--no-persist-layer-norm",
     "--no-gradient-accumulation-fusion", "--no-rope-fusion", "--attention-dropout", "0",
-    "--hidden-dropout", "0", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--hidden-dropout", "0", "--mock-data",
     "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "10", "--lr", "1e-4",
     "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng", "--seed", "1234",
 ]
@@ -46,6 +46,13 @@ def megatron_lm_args(argv, world_size, tag):
     os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # as Megatron-LM's launch scripts set it
     result = dry_run(CPU_FLAGS + list(argv), world_size, tag=tag)
     args, config = result["args"], result["config"]
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        # Megatron-LM pads the tokenizer's size (its --vocab-size is for NullTokenizer only).
+        from transformers import AutoTokenizer
+
+        size = len(AutoTokenizer.from_pretrained(args.tokenizer_model))
+        multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+        args.padded_vocab_size = -(-size // multiple) * multiple
     args.params_dtype = torch.bfloat16 if args.bf16 else torch.float32
     if isinstance(args.attention_backend, str):
         args.attention_backend = AttnBackend[args.attention_backend]

@@ -37,10 +37,11 @@ VOCAB_TENSORS = ("word_embeddings.weight", "output_layer.weight")
 BASE = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--group-query-attention", "--num-query-groups", "2", "--seq-length", "16",
-    "--max-position-embeddings", "16", "--vocab-size", str(VOCAB), "--swiglu",
+    "--max-position-embeddings", "16", "--swiglu",
     "--normalization", "RMSNorm", "--disable-bias-linear", "--position-embedding-type", "rope",
     "--untie-embeddings-and-output-weights", "--ffn-hidden-size", "96",
 ]
+NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB)]
 MOE = ["--qk-layernorm", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-ffn-hidden-size", "32"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
@@ -83,8 +84,9 @@ class Saved:
         if form not in self.done:
             world, argv, _ = FORMS[form]
             root = os.path.join(self.root, form)
-            logits = run_distributed(save_megatron_lm_checkpoint, world, BASE + argv,
-                                     installed_tag(), root, ids())[0]
+            logits = run_distributed(save_megatron_lm_checkpoint, world,
+                                     BASE + NULL_TOKENIZER + argv, installed_tag(), root,
+                                     ids())[0]
             self.done[form] = (root, logits)
         return self.done[form]
 
@@ -183,7 +185,35 @@ class Unlisted:
     ("mtp_num_layers", 1, "mtp_num_layers"),
 ])
 def test_what_cannot_be_described_is_refused_by_name(flag, value, name):
-    args, _ = megatron_lm_args(BASE + MOE, 1, installed_tag())
+    args, _ = megatron_lm_args(BASE + NULL_TOKENIZER + MOE, 1, installed_tag())
     setattr(args, flag, value)
     with pytest.raises(ConversionError, match=rf"{name} \({value!r}\) cannot be converted"):
         description_from_megatron_lm(args, "ckpt")
+
+
+def test_mea_generate_decodes_a_megatron_lm_checkpoint_as_its_export(tmp_path, single_rank):
+    """A run with a Hugging Face tokenizer (Megatron-LM pads the tokenizer's 5 ids to 128 rows):
+    `load_for_inference` (mea-generate) takes the checkpoint; greedy decoding gives the export's
+    tokens and logits."""
+    from tests.data.test_tokenizers import _save_tiny_hf_tokenizer
+    from tests.inference import _workers
+    from tests.inference.test_imported_checkpoint import _hf_logits_of
+
+    tokenizer = str(tmp_path / "tokenizer")
+    _save_tiny_hf_tokenizer(tokenizer)
+    root = str(tmp_path / "run")
+    argv = BASE + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer,
+                   "--attention-variant", "mea", "--mea-num-kv-components", "1"]
+    run_distributed(save_megatron_lm_checkpoint, 1, argv, installed_tag(), root, ids())
+    prompts = [ids(1, 6, seed=11)[0].tolist()]
+    # The worker compares the rows below its vocabulary size (here all but the last).
+    result = run_distributed(_workers.load_and_generate, 1, [(root, 1)], prompts, 4, 127)[0][0]
+    out = str(tmp_path / "hf")
+    export_hf_checkpoint(root, out)
+    assert os.path.exists(os.path.join(out, "tokenizer.json"))  # the run's tokenizer travels
+    model = _load_hf(out)
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor(prompts), max_new_tokens=4, do_sample=False)
+    assert greedy[0, 6:].tolist() == result["tokens"][0]
+    for got, want in zip(result["logits"], _hf_logits_of(model, prompts, result["tokens"])):
+        torch.testing.assert_close(got, want[:, :127], atol=ATOL, rtol=ATOL)
