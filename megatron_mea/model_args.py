@@ -12,7 +12,9 @@ fields of `megatron_mea.variant` inherited. Everything else derives from it:
 Each field's `metadata`:
 - `scope`: `"model"` (function and parameters), `"init"` (initial values only) or `"training"`
   (how training computes the same function), as in `megatron_mea.variant`;
-- `config`: the `TransformerConfig` field it sets (None: a `GPTModel` argument or the vocabulary).
+- `config`: the `TransformerConfig` field it sets (None: a `GPTModel` argument or the vocabulary);
+- `tensors`: it decides which tensors the model has and their shapes (a checkpoint of another
+  value does not load).
 
 Every field is named as the attribute of Megatron-LM's argument namespace that holds it (a test
 checks the names against Megatron-LM's flags at both supported tags), so a Megatron-LM run's saved
@@ -28,8 +30,10 @@ from typing import List, Literal, Optional, Union
 from megatron_mea.variant import AttentionVariantFields
 
 
-def _declared(default, scope: str, config: Optional[str] = None):
-    return field(default=default, metadata={"scope": scope, "config": config})
+def _declared(default, scope: str, config: Optional[str] = None, tensors: bool = False):
+    return field(
+        default=default, metadata={"scope": scope, "config": config, "tensors": tensors}
+    )
 
 
 # Fields whose translation is not a plain copy (`config_fields` spells each out).
@@ -42,22 +46,24 @@ class ModelArgs(AttentionVariantFields):
 
     Defaults: a CPU-sized MoE GPT (`mea-pretrain`'s defaults)."""
 
-    num_layers: int = _declared(2, "model", "num_layers")
-    hidden_size: int = _declared(128, "model", "hidden_size")
-    ffn_hidden_size: Optional[int] = _declared(None, "model", _DERIVED)
+    num_layers: int = _declared(2, "model", "num_layers", tensors=True)
+    hidden_size: int = _declared(128, "model", "hidden_size", tensors=True)
+    ffn_hidden_size: Optional[int] = _declared(None, "model", _DERIVED, tensors=True)
     """Dense MLP width. Default 4 x hidden_size."""
-    num_attention_heads: int = _declared(8, "model", "num_attention_heads")
-    num_query_groups: Optional[int] = _declared(None, "model", "num_query_groups")
-    kv_channels: Optional[int] = _declared(None, "model", "kv_channels")
+    num_attention_heads: int = _declared(8, "model", "num_attention_heads", tensors=True)
+    num_query_groups: Optional[int] = _declared(None, "model", "num_query_groups", tensors=True)
+    kv_channels: Optional[int] = _declared(None, "model", "kv_channels", tensors=True)
     seq_length: int = _declared(128, "model")
     max_position_embeddings: Optional[int] = _declared(None, "model")
     """Positions the model supports (RoPE tables, learned positions). Default seq_length."""
-    normalization: Literal["LayerNorm", "RMSNorm"] = _declared("RMSNorm", "model", "normalization")
-    qk_layernorm: bool = _declared(True, "model", "qk_layernorm")
-    swiglu: bool = _declared(True, "model", _DERIVED)
-    untie_embeddings_and_output_weights: bool = _declared(True, "model")
+    normalization: Literal["LayerNorm", "RMSNorm"] = _declared(
+        "RMSNorm", "model", "normalization", tensors=True
+    )
+    qk_layernorm: bool = _declared(True, "model", "qk_layernorm", tensors=True)
+    swiglu: bool = _declared(True, "model", _DERIVED, tensors=True)
+    untie_embeddings_and_output_weights: bool = _declared(True, "model", tensors=True)
     position_embedding_type: Literal["rope", "learned_absolute", "none"] = _declared(
-        "rope", "model"
+        "rope", "model", tensors=True
     )
     rotary_base: float = _declared(10000.0, "model")
     use_rope_scaling: bool = _declared(False, "model")
@@ -65,21 +71,21 @@ class ModelArgs(AttentionVariantFields):
     rope_scaling_factor: float = _declared(8.0, "model")
     """The llama3 scaling `factor` (Megatron-Core fixes its other parameters)."""
     layernorm_epsilon: float = _declared(1e-5, "model", "layernorm_epsilon")
-    add_qkv_bias: bool = _declared(False, "model", "add_qkv_bias")
-    add_bias_linear: bool = _declared(False, "model", "add_bias_linear")
+    add_qkv_bias: bool = _declared(False, "model", "add_qkv_bias", tensors=True)
+    add_bias_linear: bool = _declared(False, "model", "add_bias_linear", tensors=True)
     """Biases on every linear layer (Megatron-LM's default; `--disable-bias-linear` clears it)."""
     init_method_std: float = _declared(0.02, "init", "init_method_std")
     hidden_dropout: float = _declared(0.0, "training", "hidden_dropout")
     attention_dropout: float = _declared(0.0, "training", "attention_dropout")
-    num_experts: Optional[int] = _declared(4, "model", "num_moe_experts")
+    num_experts: Optional[int] = _declared(4, "model", "num_moe_experts", tensors=True)
     moe_router_topk: int = _declared(2, "model", "moe_router_topk")
-    moe_ffn_hidden_size: Optional[int] = _declared(None, "model", _DERIVED)
+    moe_ffn_hidden_size: Optional[int] = _declared(None, "model", _DERIVED, tensors=True)
     """Expert MLP width. Default ffn_hidden_size."""
     moe_shared_expert_intermediate_size: Optional[int] = _declared(
-        None, "model", "moe_shared_expert_intermediate_size"
+        None, "model", "moe_shared_expert_intermediate_size", tensors=True
     )
     """Width of the shared expert every token passes through (None: no shared expert)."""
-    moe_layer_freq: Union[int, List[int]] = _declared(1, "model", "moe_layer_freq")
+    moe_layer_freq: Union[int, List[int]] = _declared(1, "model", "moe_layer_freq", tensors=True)
     """1 in N layers is MoE (an int), or a 0/1 pattern with one entry per layer (a list)."""
     moe_router_pre_softmax: bool = _declared(False, "model", "moe_router_pre_softmax")
     """Softmax over all experts, then top-k (no renormalisation); default: top-k of the logits,
@@ -89,7 +95,7 @@ class ModelArgs(AttentionVariantFields):
     )
     """Router scores: softmax, or a sigmoid per expert (the chosen k renormalised to sum 1)."""
     moe_router_enable_expert_bias: bool = _declared(
-        False, "model", "moe_router_enable_expert_bias"
+        False, "model", "moe_router_enable_expert_bias", tensors=True
     )
     """Aux-loss-free balancing (sigmoid router): a per-expert bias added to the scores for the
     choice of experts only, updated from the token counts after every step."""
@@ -138,14 +144,16 @@ ARCHITECTURE_FIELDS = tuple(
 _MOE_ONLY = tuple(name for name in ARCHITECTURE_FIELDS if name.startswith("moe_"))
 
 
+# The fields that decide the model's tensors and their shapes (the attention variant's are its
+# fields of scope "model").
+TENSOR_FIELDS = tuple(
+    f.name for f in dataclasses.fields(ModelArgs) if f.metadata.get("tensors")
+)
+
+
 def declared(name: str) -> dataclasses.Field:
     """The declaration of model field `name`."""
     return {f.name: f for f in dataclasses.fields(ModelArgs)}[name]
-
-
-def model_settings(source) -> dict:
-    """`{name: value}` of every model field read from any object with them as attributes."""
-    return {name: getattr(source, name) for name in MODEL_FIELDS}
 
 
 def config_fields(model: ModelArgs) -> dict:

@@ -86,6 +86,14 @@ def test_the_trainer_maps_no_model_field_by_hand():
         assert not read & set(ARCHITECTURE_FIELDS), (function.__name__, read & set(MODEL_FIELDS))
 
 
+def test_the_resume_check_compares_the_declared_tensor_fields():
+    from megatron_mea.model_args import TENSOR_FIELDS
+    from megatron_mea.training import checkpoint_checks
+
+    assert checkpoint_checks.MODEL_SETTINGS is TENSOR_FIELDS
+    assert {"num_layers", "moe_router_enable_expert_bias"} <= set(TENSOR_FIELDS)
+
+
 def test_the_converters_description_is_the_declaration(tmp_path):
     assert [f.name for f in dataclasses.fields(ModelDescription)] == ["args", "hf_config", "source"]
     args = PretrainArgs(**{**NON_DEFAULTS, "moe_grouped_gemm": False}, mock_data=True)
