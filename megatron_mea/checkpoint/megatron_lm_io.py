@@ -232,13 +232,6 @@ def description_from_megatron_lm(args: argparse.Namespace, where: str) -> ModelD
     return description
 
 
-def is_megatron_lm_checkpoint(root: str) -> bool:
-    """Whether `root` is a checkpoint directory without our `config.yaml` (Megatron-LM's)."""
-    return os.path.exists(os.path.join(root, TRACKER)) and not os.path.exists(
-        os.path.join(root, "config.yaml")
-    )
-
-
 def describe_megatron_lm_checkpoint(root: str) -> ModelDescription:
     """The description of the Megatron-LM checkpoint directory `root` (its latest iteration's
     saved arguments).
