@@ -66,6 +66,8 @@ def build_model(
         config=config,
         transformer_layer_spec=spec,
         **gpt_model_kwargs(args),
+        pre_process=pre_process,
+        post_process=post_process,
         vp_stage=vp_stage,
     )
     if torch.cuda.is_available():
