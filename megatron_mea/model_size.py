@@ -26,38 +26,21 @@ caches only the `nc` components, plus (with an RMS k norm) one inverse RMS per c
 """
 
 import dataclasses
-from typing import Optional, Union
+import typing
+from typing import Union
 
-from megatron_mea.variant import KHA_MATRICES, AttentionVariantFields
+from megatron_mea.model_args import ModelArgs
+from megatron_mea.variant import KHA_MATRICES
 
 
-@dataclasses.dataclass(kw_only=True)
-class ModelShape(AttentionVariantFields):
-    """The sizes that determine parameters and FLOPs (Megatron-LM flag names, underscored), with
-    the attention-variant fields inherited (per-layer variants and component counts included)."""
-
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int
-    ffn_hidden_size: Optional[int] = None
-    num_query_groups: Optional[int] = None
-    kv_channels: Optional[int] = None
-    seq_length: int = 4096
-    swiglu: bool = True
-    normalization: str = "RMSNorm"
-    qk_layernorm: bool = False
-    add_bias_linear: bool = False
-    add_qkv_bias: bool = False
-    untie_embeddings_and_output_weights: bool = True
-    position_embedding_type: str = "rope"
-    num_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_shared_expert_intermediate_size: Optional[int] = None
-    moe_layer_freq: Union[int, list] = 1
+@dataclasses.dataclass
+class ModelShape(ModelArgs):
+    """The sizes that determine parameters and FLOPs: the fields of the model description
+    (`megatron_mea.model_args.ModelArgs`, its defaults included), `vocab_size` required."""
 
     def __post_init__(self):
+        if self.vocab_size is None:
+            raise ValueError("ModelShape: vocab_size is required (the padded vocabulary)")
         self.num_query_groups = self.num_query_groups or self.num_attention_heads
         self.kv_channels = self.kv_channels or self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
@@ -73,10 +56,14 @@ class ModelShape(AttentionVariantFields):
         Uses `padded_vocab_size` when set, else `vocab_size`; `num_query_groups` only with
         `group_query_attention`, as Megatron-LM does.
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        kwargs = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            value = getattr(args, f.name, None)
+            optional = type(None) in typing.get_args(f.type)
+            if value is not None or (hasattr(args, f.name) and optional):
+                kwargs[f.name] = value
         kwargs["vocab_size"] = getattr(args, "padded_vocab_size", None) or args.vocab_size
-        if not getattr(args, "group_query_attention", False):
+        if not getattr(args, "group_query_attention", True):
             kwargs.pop("num_query_groups", None)
         return cls(**kwargs)
 

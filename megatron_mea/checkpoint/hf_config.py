@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` <-> the Megatron model description (`PretrainArgs` + overrides).
+"""Hugging Face `config.json` <-> the Megatron model description (`PretrainArgs`).
 
 Import refuses what the Megatron model cannot compute the same way (another activation, RoPE
 scaling other than Megatron's llama3 form, sliding windows, biases Megatron does not have),
@@ -30,6 +30,30 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # they apply): the model-scope fields of `megatron_mea.variant`, less the per-layer ones (a
 # native export has one setting for all layers).
 VARIANT_FIELDS = tuple(name for name in fields_of_scope("model") if not name.endswith("_per_layer"))
+
+
+# Megatron's router settings a native Qwen3-MoE config.json carries (Megatron-Core's names; the
+# modeling code's `MegatronRouter` computes them), with the value under which a stock family
+# routes the same way (None: any value a stock family can say, see `moe_layer_pattern`).
+ROUTER_FIELDS = {
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_topk_scaling_factor": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_router_pre_softmax": None,
+}
+
+
+def non_stock_router(config) -> Optional[Tuple[str, object]]:
+    """(field, value) of the first router setting of `config` (an `MEATransformerConfig`) that
+    no stock transformers family computes, or None."""
+    if not config.num_moe_experts:
+        return None
+    for name, stock in ROUTER_FIELDS.items():
+        value = getattr(config, name)
+        if name != "moe_router_pre_softmax" and value and value != stock:
+            return name, value
+    return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -253,19 +277,18 @@ def description_from_hf(
             # is Megatron's top-k-then-softmax; otherwise softmax over all experts, then top-k.
             moe_router_pre_softmax=fam.name == "qwen3_moe" and not config.norm_topk_prob,
         )
-    args, overrides = {}, {}
-    for name, value in fields.items():
-        if name in _ARG_FIELDS:
-            args[name] = value
-        else:
-            overrides[name] = value
+        if native and getattr(config, "moe_router_score_function", None) is not None:
+            fields.update({name: getattr(config, name) for name in ROUTER_FIELDS})
+    unknown = sorted(set(fields) - _ARG_FIELDS)
+    if unknown:
+        raise TypeError(f"description_from_hf: {unknown} are not PretrainArgs fields")
     hf_config = config.to_dict()
     for name in VARIANT_FIELDS:
         hf_config.pop(name, None)
     if native:
         hf_config["model_type"] = fam.name
         hf_config["architectures"] = [fam.architecture]
-    description = ModelDescription(PretrainArgs(**args), overrides, hf_config)
+    description = ModelDescription(PretrainArgs(**fields), hf_config)
     description.transformer_config()  # validates the variant and the parallel sizes
     return description
 
@@ -312,7 +335,7 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
         raise ConversionError(
             f"num_moe_experts ({config.num_moe_experts}) does not match the {fam.name} family"
         )
-    theta = float(description.overrides.get("rotary_base", args.rotary_base))
+    theta = float(args.rotary_base)
     template.update(
         model_type=fam.name,
         architectures=[fam.architecture],
@@ -345,11 +368,15 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
                 norm_topk_prob=not config.moe_router_pre_softmax,
             )
         else:
-            if not all(pattern) or config.moe_router_pre_softmax:
+            unsaid = non_stock_router(config)
+            if not all(pattern) or config.moe_router_pre_softmax or unsaid:
                 raise ConversionError(
-                    "mixtral has an MoE block in every layer and renormalised top-k routing: "
-                    f"moe_layer_freq ({config.moe_layer_freq}) / moe_router_pre_softmax "
-                    f"({config.moe_router_pre_softmax}) cannot be exported to it"
+                    "mixtral has an MoE block in every layer and renormalised softmax top-k "
+                    f"routing: moe_layer_freq ({config.moe_layer_freq}) / moe_router_pre_softmax "
+                    f"({config.moe_router_pre_softmax})"
+                    + (f" / {unsaid[0]} ({unsaid[1]!r})" if unsaid else "")
+                    + " cannot be exported to it; a model with qk_layernorm exports through "
+                    "Qwen3-MoE, which has them"
                 )
             if config.moe_ffn_hidden_size != config.ffn_hidden_size:
                 template["intermediate_size"] = config.moe_ffn_hidden_size

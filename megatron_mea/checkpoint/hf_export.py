@@ -23,9 +23,11 @@ import torch
 from megatron_mea.checkpoint.dist_io import read_checkpoint
 from megatron_mea.checkpoint.hf_config import (
     NATIVE_PREFIX,
+    ROUTER_FIELDS,
     VARIANT_FIELDS,
     dtype_name,
     hf_config_dict,
+    non_stock_router,
     split_model_type,
 )
 from megatron_mea.checkpoint.hf_import import plan_rules, qkv_layout
@@ -50,6 +52,14 @@ def choose_format(config, requested: str = "auto") -> str:
     """`plain` or `native` for a model with `config` (a `MEATransformerConfig`)."""
     if requested not in FORMATS:
         raise ValueError(f"format ({requested!r}) must be one of {FORMATS}")
+    router = non_stock_router(config)
+    if router and requested == "plain":
+        raise ConversionError(
+            f"{router[0]} ({router[1]!r}): no stock transformers family routes this way; use "
+            "format 'native' (megatron_mea.hf's MegatronRouter)"
+        )
+    if router:
+        return "native"
     if config.attention_variant == "standard":
         return "plain"
     if requested == "auto":
@@ -110,6 +120,8 @@ def _build_config(fam, fields: dict, config, fmt: str):
             for name, value in variant_settings(config, scopes=("model",)).items()
             if name in VARIANT_FIELDS
         }
+        if fam.name == "qwen3_moe":  # Megatron's router, as the checkpoint routes
+            variant.update({name: getattr(config, name) for name in ROUTER_FIELDS})
         fields = dict(fields, architectures=[MODELS[model_type].__name__], **variant)
         native = CONFIGS[model_type](**fields)
     except Exception as exc:  # transformers' validators raise their own error types

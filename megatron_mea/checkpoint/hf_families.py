@@ -154,6 +154,17 @@ QWEN_MOE = _moe("mlp.gate.weight", "mlp.experts.{E}.", "gate_proj.weight", "up_p
                 "down_proj.weight")
 MIXTRAL_MOE = _moe("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{E}.", "w1.weight",
                    "w3.weight", "w2.weight")
+# Tensors of Megatron's router and shared expert that only the native Qwen3-MoE modeling code
+# (`megatron_mea.hf.MegatronMoeBlock`) has; mapped where the checkpoint holds them.
+MEGATRON_MOE_EXTRAS = (
+    Rule("mlp.router.expert_bias", ("mlp.gate.expert_bias",)),
+    Rule(
+        "mlp.shared_experts.linear_fc1.weight",
+        ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+        SWIGLU,
+    ),
+    Rule("mlp.shared_experts.linear_fc2.weight", ("mlp.shared_expert.down_proj.weight",)),
+)
 GLOBAL = (
     Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), VOCAB),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
@@ -227,12 +238,15 @@ def model_rules(
     num_experts: int,
     tied: bool,
     variant_params: Dict[int, List[str]],
+    megatron_moe: Tuple[str, ...] = (),
 ) -> Dict[int, List[Rule]]:
     """All rules of a model, grouped by layer (key -1: embedding, final norm, output layer).
 
     Args:
         moe_layers: per layer, whether it is an MoE layer.
         variant_params: per layer, the plugin parameters (`VARIANT_PARAMS` names) it holds.
+        megatron_moe: the Megatron tensor names of the model among `MEGATRON_MOE_EXTRAS` (the
+            rules of those present are added; native Qwen3-MoE only).
     """
     groups = {-1: list(GLOBAL) + ([] if tied else [OUTPUT])}
     for layer in range(num_layers):
@@ -243,6 +257,10 @@ def model_rules(
                 rules.append(
                     rule.format("decoder.layers.{L}.", "model.layers.{L}.", L=layer, E=expert)
                 )
+        for rule in MEGATRON_MOE_EXTRAS if moe_layers[layer] else ():
+            formatted = rule.format("decoder.layers.{L}.", "model.layers.{L}.", L=layer)
+            if formatted.megatron in megatron_moe:
+                rules.append(formatted)
         for name in variant_params.get(layer, []):
             rules.append(
                 Rule(f"decoder.layers.{layer}.self_attention.{name}",

@@ -86,6 +86,10 @@ def plan_rules(description: ModelDescription, shapes: Dict, with_variant_params:
         config.num_moe_experts or 0,
         tied=not description.args.untie_embeddings_and_output_weights,
         variant_params=variant,
+        megatron_moe=tuple(
+            name for name in shapes if ".mlp.router.expert_bias" in name
+            or ".mlp.shared_experts." in name
+        ) if fam.name == "qwen3_moe" and with_variant_params else (),
     )
 
 

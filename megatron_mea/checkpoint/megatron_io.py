@@ -32,6 +32,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.models.gpt import GPTModel
 from torch.overrides import TorchFunctionMode
 
+from megatron_mea.model_args import MODEL_FIELDS, gpt_model_kwargs
 from megatron_mea.specs import get_gpt_decoder_block_spec
 from megatron_mea.training.arguments import PretrainArgs, load_yaml, save_config
 from megatron_mea.training.checkpointing import (
@@ -76,17 +77,15 @@ class ModelDescription:
     """Everything needed to rebuild the model of a checkpoint.
 
     Attributes:
-        args: the run arguments `mea-pretrain` reads (`config.yaml`).
-        overrides: `MEATransformerConfig` fields that `PretrainArgs` cannot express (for example
-            `layernorm_epsilon`, `add_qkv_bias`, `moe_router_pre_softmax`, a per-layer
-            `moe_layer_freq`); applied on top of `transformer_config(args)`.
+        args: the run arguments `mea-pretrain` reads (`config.yaml`); their model fields are the
+            `megatron_mea.model_args.ModelArgs` declaration, the rest records the dtype, the
+            tokenizer and the layout the checkpoint was written at.
         hf_config: the Hugging Face `config.json` the model came from (a template for export).
         source: the Hugging Face directory it was imported from (tokenizer and generation
             files are copied from there on export).
     """
 
     args: PretrainArgs
-    overrides: Dict = dataclasses.field(default_factory=dict)
     hf_config: Optional[Dict] = None
     source: Optional[str] = None
 
@@ -96,15 +95,16 @@ class ModelDescription:
         if meta:
             args = dataclasses.replace(args, **SINGLE_PROCESS_LAYOUT)
         config = transformer_config(args)
-        fields = dict(self.overrides)
         if meta:
-            fields.update(use_cpu_initialization=True, perform_initialization=False)
-        return dataclasses.replace(config, **fields) if fields else config
+            config = dataclasses.replace(
+                config, use_cpu_initialization=True, perform_initialization=False
+            )
+        return config
 
     def save(self, root: str) -> None:
         """Write `config.yaml` and `conversion.json` under `root`."""
         save_config(self.args, root)
-        payload = {"overrides": self.overrides, "hf_config": self.hf_config, "source": self.source}
+        payload = {"hf_config": self.hf_config, "source": self.source}
         tmp = os.path.join(root, CONVERSION_FILE + ".tmp")
         with open(tmp, "w", encoding="utf-8") as handle:
             json.dump(payload, handle, indent=2, sort_keys=True)
@@ -112,20 +112,29 @@ class ModelDescription:
 
     @classmethod
     def load(cls, root: str) -> "ModelDescription":
-        """Read the description of the checkpoint directory `root`."""
+        """Read the description of the checkpoint directory `root`: `config.yaml` of
+        `mea-pretrain` or of this tool, else the arguments a Megatron-LM run saved in the
+        checkpoint (`megatron_mea.checkpoint.megatron_lm_io`)."""
         path = os.path.join(root, "config.yaml")
         if not os.path.exists(path):
-            raise ConversionError(
-                f"{path}: missing (not a checkpoint directory of mea-pretrain or of this tool)"
-            )
+            from megatron_mea.checkpoint.megatron_lm_io import describe_megatron_lm_checkpoint
+
+            return describe_megatron_lm_checkpoint(root)
         args = PretrainArgs(**load_yaml(path))
         payload = {}
         extra = os.path.join(root, CONVERSION_FILE)
         if os.path.exists(extra):
             with open(extra, encoding="utf-8") as handle:
                 payload = json.load(handle)
-        return cls(args, payload.get("overrides") or {}, payload.get("hf_config"),
-                   payload.get("source"))
+        # Files written before the model description was declared once kept the model fields
+        # PretrainArgs lacked then under "overrides"; they are model fields now.
+        legacy = payload.get("overrides") or {}
+        unknown = sorted(set(legacy) - set(MODEL_FIELDS))
+        if unknown:
+            raise ConversionError(f"{extra}: overrides {unknown} are not model fields")
+        if legacy:
+            args = dataclasses.replace(args, **legacy)
+        return cls(args, payload.get("hf_config"), payload.get("source"))
 
 
 def _free_port() -> int:
@@ -194,21 +203,8 @@ def meta_model(description: ModelDescription) -> GPTModel:
         return GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-            **_model_sizes(description.args),
+            **gpt_model_kwargs(description.args),
         )
-
-
-def _model_sizes(args: PretrainArgs) -> Dict:
-    """`GPTModel` arguments besides the config and the spec: vocabulary, positions, RoPE."""
-    return dict(
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings or args.seq_length,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
-    )
 
 
 def layer_of(name: str) -> int:
@@ -249,7 +245,10 @@ def load_model_weights(model, root: str, iteration: Optional[int] = None) -> Non
     """Load the model tensors of a checkpoint into `model` (any TP / PP / EP; all ranks call)."""
     directory = resolve_checkpoint(root, iteration)
     verify_checkpoint(directory, model)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    from megatron_mea.checkpoint.megatron_lm_io import common_state_types
+
+    with common_state_types():  # a Megatron-LM checkpoint's common state holds its arguments
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(loaded["model"])
 
 
@@ -273,5 +272,5 @@ def build_model(description: ModelDescription, **parallel) -> GPTModel:
         transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=use_te),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        **_model_sizes(args),
+        **gpt_model_kwargs(args),
     )

@@ -7,6 +7,12 @@ Variant fields: the model-scope fields of `megatron_mea.variant.AttentionVariant
 names and meaning; `mea-convert export-hf` writes all of them, resolved), e.g.
 `attention_variant`, `mea_num_kv_components`, `mea_hlc`, `mea_head_norm`, `kha_variant`,
 `kha_targets`. There are no defaults here: a config without them is refused by the modeling code.
+
+Router fields (Qwen3-MoE only, optional): `moe_router_score_function` (`softmax` / `sigmoid`),
+`moe_router_pre_softmax`, `moe_router_enable_expert_bias`, `moe_router_topk_scaling_factor`,
+`moe_shared_expert_intermediate_size`, Megatron-Core's names and meaning. When
+`moe_router_score_function` is set, the model routes as Megatron does (the modeling file's
+`MegatronRouter`) instead of the stock router; `mea-convert export-hf` writes all of them then.
 """
 
 from transformers import (

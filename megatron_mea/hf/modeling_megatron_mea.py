@@ -39,6 +39,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
     eager_attention_forward,
 )
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP, Qwen3MoeSparseMoeBlock
 
 from .configuration_megatron_mea import (
     MegatronMEALlamaConfig,
@@ -294,14 +295,85 @@ class VariantAttention(nn.Module):
         )
 
 
+class MegatronRouter(nn.Module):
+    """Megatron-Core's top-k router (`TopKRouter`, `topk_routing_with_score_function`), in place
+    of the stock `gate`: same `weight` `[E, h]`, plus the expert bias when the model has one.
+
+    Scores: `softmax` over the k largest logits (`moe_router_pre_softmax` false: Mixtral /
+    Qwen3-MoE with `norm_topk_prob`), or softmax over all experts then the k largest (true:
+    `norm_topk_prob` false); `sigmoid` per expert, the k largest of `sigmoid + expert_bias`
+    chosen (the bias only chooses), their sigmoids renormalised to sum 1 (k > 1). Then the
+    weights are multiplied by `moe_router_topk_scaling_factor`, if set.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.hidden_dim = config.hidden_size
+        self.score_function = config.moe_router_score_function
+        self.pre_softmax = config.moe_router_pre_softmax
+        self.scaling_factor = config.moe_router_topk_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(config.num_experts, config.hidden_size))
+        if config.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts))
+        else:
+            self.expert_bias = None
+
+    def forward(self, hidden_states):
+        """`[t, h]` -> (logits `[t, E]`, weights `[t, k]`, experts `[t, k]`)."""
+        logits = nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        if self.score_function == "softmax":
+            if self.pre_softmax:
+                scores = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+                weights, experts = torch.topk(scores, self.top_k, dim=-1)
+            else:
+                top, experts = torch.topk(logits, self.top_k, dim=-1)
+                weights = torch.softmax(top, dim=-1, dtype=torch.float32).type_as(logits)
+        else:
+            scores = torch.sigmoid(logits.float()).type_as(logits)
+            if self.expert_bias is None:
+                weights, experts = torch.topk(scores, self.top_k, dim=-1)
+            else:
+                _, experts = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
+                weights = torch.gather(scores, 1, experts)
+            if self.top_k > 1:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling_factor:
+            weights = weights * self.scaling_factor
+        return logits, weights, experts
+
+
+class MegatronMoeBlock(Qwen3MoeSparseMoeBlock):
+    """Qwen3-MoE's sparse block with Megatron's router and, if the model has one, Megatron's
+    (ungated) shared expert added to the routed experts' output."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.gate = MegatronRouter(config)
+        size = config.moe_shared_expert_intermediate_size
+        self.shared_expert = Qwen3MoeMLP(config, intermediate_size=size) if size else None
+
+    def forward(self, hidden_states):
+        """`[b, s, h]` -> `[b, s, h]`."""
+        routed = super().forward(hidden_states)
+        if self.shared_expert is None:
+            return routed
+        return routed + self.shared_expert(hidden_states)
+
+
 def _variant_model(base, config_class, qkv_bias=False, qk_norm=False):
     """`MegatronMEA<Base>`: the stock causal LM `base` with every `self_attn` a
-    `VariantAttention` (q/k/v biases like Qwen2, q/k norms like Qwen3)."""
+    `VariantAttention` (q/k/v biases like Qwen2, q/k norms like Qwen3) and, for Qwen3-MoE
+    configs that name Megatron's router (`moe_router_score_function`), every sparse block a
+    `MegatronMoeBlock`."""
 
     def __init__(self, config):
         base.__init__(self, config)
+        megatron_router = getattr(config, "moe_router_score_function", None) is not None
         for index, layer in enumerate(self.model.layers):
             layer.self_attn = VariantAttention(config, index, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            if megatron_router and isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
+                layer.mlp = MegatronMoeBlock(config)
         self.post_init()
 
     name = "MegatronMEA" + base.__name__

@@ -1,7 +1,9 @@
 """Load a `mea-pretrain` checkpoint for inference at any tensor-parallel size.
 
 A run directory holds `config.yaml` (the run's `PretrainArgs`), `latest_checkpointed_iteration.txt`
-and `iter_XXXXXXX/` torch_dist checkpoints (see `megatron_mea.training.checkpointing`). The model is
+and `iter_XXXXXXX/` torch_dist checkpoints (see `megatron_mea.training.checkpointing`); a
+Megatron-LM run directory has no `config.yaml`, its model is described by the arguments saved in
+the checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). The model is
 rebuilt from the saved arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1;
 no sequence parallelism; more vocabulary padding where TP needs it) and its weights are read
 through `dist_checkpointing`, which reshards them from whatever layout they were saved at. What
@@ -18,9 +20,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron_mea.checkpoint.megatron_io import UNSHARDED_BUT_TP
+from megatron_mea.checkpoint.megatron_io import UNSHARDED_BUT_TP, ModelDescription
+from megatron_mea.checkpoint.megatron_lm_io import common_state_types
 from megatron_mea.training import checkpointing
-from megatron_mea.training.arguments import PretrainArgs, load_yaml
+from megatron_mea.training.arguments import PretrainArgs
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,13 @@ def resolve_checkpoint(path: str, iteration: int | None = None):
     directory = checkpointing.checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory {directory!r}")
-    if not os.path.isfile(os.path.join(root, "config.yaml")):
-        raise FileNotFoundError(f"no config.yaml in {root!r} (the run's saved arguments)")
+    if not os.path.isfile(os.path.join(root, "config.yaml")) and not os.path.isfile(
+        os.path.join(directory, "metadata.json")
+    ):
+        raise FileNotFoundError(
+            f"no config.yaml in {root!r} and no Megatron-LM checkpoint in {directory!r} (the "
+            "run's saved arguments)"
+        )
     return root, directory, iteration
 
 
@@ -140,7 +148,12 @@ def load_for_inference(
     root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
     if tp < 1:
         raise ValueError(f"tp ({tp}) must be >= 1")
-    args = inference_args(PretrainArgs(**load_yaml(os.path.join(root, "config.yaml"))), tp)
+    args = inference_args(ModelDescription.load(root).args, tp)
+    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
+        raise ValueError(
+            f"{root}: no tokenizer recorded (a Megatron-LM run is described with its tokenizer "
+            "only when its tokenizer_type was HuggingFaceTokenizer)"
+        )
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     if args.vocab_size is None:
         args.vocab_size = tokenizer.vocab_size
@@ -164,7 +177,8 @@ def load_for_inference(
     initialize(args)
     model = build_model(args, config, pre_process=True, post_process=True)
     checkpointing.verify_checkpoint(directory, model)
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
+    with common_state_types():  # a Megatron-LM checkpoint's common state holds its arguments
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(state["model"])
     model.eval()
     logger.info("loaded %s (iteration %d) at TP=%d", directory, iteration, tp)

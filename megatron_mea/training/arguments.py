@@ -10,55 +10,23 @@ import ast
 import dataclasses
 import os
 import typing
-from dataclasses import dataclass, field
-from typing import List, Literal, Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import List, Literal, Optional, Tuple
 
 import yaml
 
+from megatron_mea.model_args import ModelArgs
 from megatron_mea.variant import AttentionVariantFields, attribute_docs
 
 
 @dataclass
-class PretrainArgs(AttentionVariantFields):
+class PretrainArgs(ModelArgs):
     """All settings of a pretraining run (defaults: a CPU-sized MoE GPT on mock data).
 
-    The attention-variant flags (`--attention-variant`, `--mea-*`, `--kha-*`) are the fields of
-    `AttentionVariantFields`, inherited."""
+    The model's flags (`--num-layers`, `--moe-*`, the attention-variant flags `--attention-variant`,
+    `--mea-*`, `--kha-*`, ...) are the fields of `ModelArgs`, inherited."""
 
-    # ---- model -------------------------------------------------------------------------------
-    num_layers: int = 2
-    hidden_size: int = 128
-    ffn_hidden_size: Optional[int] = None
-    num_attention_heads: int = 8
-    num_query_groups: Optional[int] = None
-    kv_channels: Optional[int] = None
-    seq_length: int = 128
-    max_position_embeddings: Optional[int] = None
-    normalization: Literal["LayerNorm", "RMSNorm"] = "RMSNorm"
-    qk_layernorm: bool = True
-    swiglu: bool = True
-    untie_embeddings_and_output_weights: bool = True
-    position_embedding_type: Literal["rope", "learned_absolute", "none"] = "rope"
-    rotary_base: float = 10000.0
-    use_rope_scaling: bool = False
-    """Llama 3.x (`rope_type: llama3`) RoPE frequency scaling, as Megatron-Core implements it."""
-    rope_scaling_factor: float = 8.0
-    """The llama3 scaling `factor` (Megatron-Core fixes its other parameters)."""
-    layernorm_epsilon: float = 1e-5
-    add_qkv_bias: bool = False
-    init_method_std: float = 0.02
-    num_experts: Optional[int] = 4
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_layer_freq: Union[int, List[int]] = 1
-    """1 in N layers is MoE (an int), or a 0/1 pattern with one entry per layer (a list)."""
-    moe_router_pre_softmax: bool = False
-    moe_router_load_balancing_type: Literal[
-        "aux_loss", "seq_aux_loss", "global_aux_loss", "none"
-    ] = "aux_loss"
-    moe_aux_loss_coeff: float = 1e-2
-    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "alltoall"
-    moe_grouped_gemm: bool = False
+    # ---- model: the fields of `megatron_mea.model_args.ModelArgs` (with the variant's) ------
     # ---- attention variant: the fields of `megatron_mea.variant.AttentionVariantFields` ------
     no_decay_plugin_matrices: bool = False
     """Exempt head_mix / knock matrices from weight decay (Megatron decays every 2-D param)."""
@@ -106,8 +74,6 @@ class PretrainArgs(AttentionVariantFields):
     mock_data: bool = False
     tokenizer_type: Literal["ByteLevelTokenizer", "HuggingFaceTokenizer"] = "ByteLevelTokenizer"
     tokenizer_model: Optional[str] = None
-    vocab_size: Optional[int] = None
-    make_vocab_size_divisible_by: int = 128
     data_cache_path: Optional[str] = None
     # ---- checkpoints, evaluation, logging -----------------------------------------------------
     save: Optional[str] = None
@@ -148,16 +114,6 @@ class PretrainArgs(AttentionVariantFields):
     override_checkpoint_data_settings: bool = False
     """On --load, accept a vocabulary size, tokenizer or sequence length that differs from the
     checkpoint's (refused otherwise)."""
-
-    @property
-    def padded_vocab_size(self) -> int:
-        """Vocabulary padded to a multiple of `make_vocab_size_divisible_by`.
-
-        Unlike Megatron-LM, the multiple does not grow with the TP size, so a checkpoint keeps
-        the same vocabulary rows when it is resumed at another TP layout (validation checks the
-        multiple is divisible by TP)."""
-        multiple = self.make_vocab_size_divisible_by
-        return -(-self.vocab_size // multiple) * multiple
 
     @property
     def warmup_iters(self) -> int:
@@ -216,7 +172,10 @@ def _base_type(annotation):
 _ALIASES = {
     "override_opt_param_scheduler": ("--override-opt_param-scheduler",),
     "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",),
+    "layernorm_epsilon": ("--norm-epsilon",),
 }
+# Megatron-LM's switches that clear a boolean field.
+_CLEARING = {"add_bias_linear": "--disable-bias-linear"}
 
 
 def _flag(name: str) -> str:
@@ -232,7 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", help="YAML file of flag: value pairs (flags override it)")
-    docs = {**attribute_docs(AttentionVariantFields), **attribute_docs(PretrainArgs)}
+    docs = {
+        **attribute_docs(AttentionVariantFields),
+        **attribute_docs(ModelArgs),
+        **attribute_docs(PretrainArgs),
+    }
     for f in dataclasses.fields(PretrainArgs):
         help_text = docs.get(f.name, "").replace("%", "%%") or None
         if f.name in _CUSTOM_TYPES:
@@ -252,11 +215,13 @@ def build_parser() -> argparse.ArgumentParser:
             )
             for alias in _ALIASES.get(f.name, ()):
                 parser.add_argument(alias, dest=f.name, action="store_true")
+            if f.name in _CLEARING:
+                parser.add_argument(_CLEARING[f.name], dest=f.name, action="store_false")
             continue
         kwargs = dict(dest=f.name, type=kind, choices=choices, help=help_text)
         if is_list:
             kwargs["nargs"] = "+"
-        parser.add_argument(_flag(f.name), **kwargs)
+        parser.add_argument(_flag(f.name), *_ALIASES.get(f.name, ()), **kwargs)
     return parser
 
 

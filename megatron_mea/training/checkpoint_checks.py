@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from megatron_mea import compat
 from megatron_mea.checkpoint import integrity
 from megatron_mea.checkpoint.safe_pickle import UnsafePickleError
+from megatron_mea.model_args import TENSOR_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +28,8 @@ TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 # PretrainArgs fields that decide the model's tensors and their shapes, besides the attention
-# variant's fields of scope "model".
-MODEL_SETTINGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "swiglu", "num_experts", "moe_ffn_hidden_size", "moe_layer_freq",
-    "untie_embeddings_and_output_weights", "qk_layernorm", "add_qkv_bias",
-    "position_embedding_type",
-)
+# variant's fields of scope "model": declared with the model description.
+MODEL_SETTINGS = TENSOR_FIELDS
 
 
 class CheckpointError(ValueError):

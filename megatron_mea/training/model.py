@@ -4,7 +4,6 @@ import logging
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -15,7 +14,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_mea import MEATransformerConfig, get_gpt_decoder_block_spec
 from megatron_mea.fusions import fusion_settings
 from megatron_mea.training.arguments import PretrainArgs
-from megatron_mea.variant import variant_settings
+from megatron_mea.model_args import config_fields, gpt_model_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -37,22 +36,7 @@ def transformer_config(
     """
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     fields = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        normalization=args.normalization,
-        layernorm_epsilon=args.layernorm_epsilon,
-        qk_layernorm=args.qk_layernorm,
-        add_qkv_bias=args.add_qkv_bias,
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=False,
-        init_method_std=args.init_method_std,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        **config_fields(args),
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -70,20 +54,7 @@ def transformer_config(
         fp8=args.fp8_format,
         fp8_recipe=args.fp8_recipe,
         **fusion_settings(on_gpu, args.normalization),
-        **variant_settings(args),
     )
-    if args.num_experts:
-        fields.update(
-            num_moe_experts=args.num_experts,
-            moe_router_topk=args.moe_router_topk,
-            moe_ffn_hidden_size=args.moe_ffn_hidden_size or fields["ffn_hidden_size"],
-            moe_layer_freq=args.moe_layer_freq,
-            moe_router_load_balancing_type=args.moe_router_load_balancing_type,
-            moe_router_pre_softmax=args.moe_router_pre_softmax,
-            moe_aux_loss_coeff=args.moe_aux_loss_coeff,
-            moe_token_dispatcher_type=args.moe_token_dispatcher_type,
-            moe_grouped_gemm=args.moe_grouped_gemm,
-        )
     return MEATransformerConfig(**fields)
 
 
@@ -99,15 +70,9 @@ def build_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings or args.seq_length,
+        **gpt_model_kwargs(args),
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rope_scaling=args.use_rope_scaling,
-        rope_scaling_factor=args.rope_scaling_factor,
         vp_stage=vp_stage,
     )
     if torch.cuda.is_available():

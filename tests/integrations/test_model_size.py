@@ -72,13 +72,15 @@ def test_llama_3_2_1b_shape_has_its_published_size():
     # Llama-3.2-1B: 1,235,814,400 parameters with tied embeddings.
     shape = ModelShape(num_layers=16, hidden_size=2048, ffn_hidden_size=8192,
                        num_attention_heads=32, num_query_groups=8, kv_channels=64,
-                       vocab_size=128256, untie_embeddings_and_output_weights=False)
+                       vocab_size=128256, untie_embeddings_and_output_weights=False,
+                       qk_layernorm=False, num_experts=None)
     assert model_size(shape)["total_params"] == 1_235_814_400
 
 
 def test_dense_training_flops_follow_6n_plus_causal_attention():
     shape = ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=128,
-                       seq_length=32, swiglu=False)
+                       seq_length=32, swiglu=False, qk_layernorm=False,
+                       num_experts=None)
     matmul = 2 * (4 * 64 * 64 + 2 * 64 * 256) + 128 * 64  # attention + MLP per layer, output
     attention = 6 * 2 * 32 * 4 * 16  # 3 * L * (QK^T + AV: 2 * 2 * s * np * hn) / 2 (causal)
     assert model_size(shape)["training_flops_per_token"] == 6 * matmul + attention
