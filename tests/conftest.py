@@ -70,6 +70,8 @@ SLOW = (
     "tests/checkpoint/test_hf_roundtrip.py::test_logits_at_tp2",
     "tests/integrations/test_examples_dry_run.py",
     "tests/integrations/test_compress_example.py",
+    "tests/integrations/test_megatron_lm_cpu.py",
+    "tests/integrations/test_megatron_lm_export.py",
 )
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

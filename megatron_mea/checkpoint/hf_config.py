@@ -56,6 +56,28 @@ def non_stock_router(config) -> Optional[Tuple[str, object]]:
     return None
 
 
+def mixtral_cannot_say(config) -> Optional[str]:
+    """Why Mixtral (an MoE block in every layer, softmax over the top-k logits) cannot express
+    the MoE model of `config` (an `MEATransformerConfig`): the setting and its value, or None."""
+    pattern = config.moe_layer_freq
+    if isinstance(pattern, int):
+        pattern = [int(i % pattern == 0) for i in range(config.num_layers)]
+    if not all(pattern):
+        return f"moe_layer_freq ({config.moe_layer_freq})"
+    if config.moe_router_pre_softmax:
+        return "moe_router_pre_softmax (True)"
+    router = non_stock_router(config)
+    return f"{router[0]} ({router[1]!r})" if router else None
+
+
+def needs_native_qwen3_moe(config) -> Optional[str]:
+    """Why an MoE model without QK norm needs the native Qwen3-MoE export (its `qk_layernorm`
+    field false): what Mixtral, the stock family without QK norm, cannot say; or None."""
+    if not config.num_moe_experts or config.qk_layernorm:
+        return None
+    return mixtral_cannot_say(config)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """`torch.bfloat16` -> "bfloat16"."""
     return str(dtype).replace("torch.", "")
@@ -247,7 +269,8 @@ def description_from_hf(
         max_position_embeddings=config.max_position_embeddings,
         seq_length=min(config.max_position_embeddings, 4096),
         normalization="RMSNorm",
-        qk_layernorm=fam.qk_layernorm,
+        qk_layernorm=getattr(config, "qk_layernorm", fam.qk_layernorm) if native
+        else fam.qk_layernorm,
         swiglu=True,
         untie_embeddings_and_output_weights=not getattr(config, "tie_word_embeddings", False),
         position_embedding_type="rope",
@@ -299,7 +322,9 @@ def _family_for(description: ModelDescription) -> Family:
     if description.transformer_config(meta=True).add_qkv_bias:
         return FAMILIES["qwen2"]
     if args.num_experts:
-        return FAMILIES["qwen3_moe" if args.qk_layernorm else "mixtral"]
+        config = description.transformer_config(meta=True)
+        native_qwen3_moe = args.qk_layernorm or needs_native_qwen3_moe(config)
+        return FAMILIES["qwen3_moe" if native_qwen3_moe else "mixtral"]
     return FAMILIES["qwen3" if args.qk_layernorm else "llama"]
 
 
@@ -323,7 +348,10 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
             raise ConversionError(
                 f"{name} ({value!r}) cannot be exported: the {fam.name} family needs {wanted!r}"
             )
-    if fam.qk_layernorm != bool(config.qk_layernorm):
+    # The native Qwen3-MoE model drops q_norm / k_norm when its config says qk_layernorm false
+    # (an MoE model without QK norm that Mixtral cannot express).
+    without_qk_norm = fam.name == "qwen3_moe" and needs_native_qwen3_moe(config) is not None
+    if fam.qk_layernorm != bool(config.qk_layernorm) and not without_qk_norm:
         raise ConversionError(
             f"qk_layernorm ({config.qk_layernorm}) does not match the {fam.name} family"
         )
@@ -368,18 +396,18 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
                 norm_topk_prob=not config.moe_router_pre_softmax,
             )
         else:
-            unsaid = non_stock_router(config)
-            if not all(pattern) or config.moe_router_pre_softmax or unsaid:
+            unsaid = mixtral_cannot_say(config)
+            if unsaid:
                 raise ConversionError(
                     "mixtral has an MoE block in every layer and renormalised softmax top-k "
-                    f"routing: moe_layer_freq ({config.moe_layer_freq}) / moe_router_pre_softmax "
-                    f"({config.moe_router_pre_softmax})"
-                    + (f" / {unsaid[0]} ({unsaid[1]!r})" if unsaid else "")
-                    + " cannot be exported to it; a model with qk_layernorm exports through "
-                    "Qwen3-MoE, which has them"
+                    f"routing: {unsaid} cannot be exported to it (a model imported from Mixtral "
+                    "keeps its family); export a checkpoint without the Mixtral config to get "
+                    "the native Qwen3-MoE model, which has them"
                 )
             if config.moe_ffn_hidden_size != config.ffn_hidden_size:
                 template["intermediate_size"] = config.moe_ffn_hidden_size
             template.update(num_local_experts=config.num_moe_experts)
+    if without_qk_norm:
+        template["qk_layernorm"] = False
     template["dtype"] = "bfloat16" if args.bf16 else "float32"
     return fam, template

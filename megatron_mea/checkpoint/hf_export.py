@@ -27,6 +27,7 @@ from megatron_mea.checkpoint.hf_config import (
     VARIANT_FIELDS,
     dtype_name,
     hf_config_dict,
+    needs_native_qwen3_moe,
     non_stock_router,
     split_model_type,
 )
@@ -59,6 +60,14 @@ def choose_format(config, requested: str = "auto") -> str:
             "format 'native' (megatron_mea.hf's MegatronRouter)"
         )
     if router:
+        return "native"
+    unsaid = needs_native_qwen3_moe(config)
+    if unsaid and requested == "plain":
+        raise ConversionError(
+            f"{unsaid}: without qk_layernorm the stock MoE family is Mixtral, which cannot say "
+            "this; use format 'native' (megatron_mea.hf's Qwen3-MoE without QK norm)"
+        )
+    if unsaid:
         return "native"
     if config.attention_variant == "standard":
         return "plain"

@@ -200,12 +200,14 @@ class Family:
     moe: Optional[Tuple[Rule, ...]] = None
     attention: Tuple[Rule, ...] = field(default=ATTENTION)
 
-    def layer_rules(self, moe_layer: bool) -> Tuple[Rule, ...]:
-        """Relative rules of one layer (expert rules still hold `{E}`)."""
+    def layer_rules(self, moe_layer: bool, qk_layernorm: Optional[bool] = None
+                    ) -> Tuple[Rule, ...]:
+        """Relative rules of one layer (expert rules still hold `{E}`); `qk_layernorm`: the
+        model's, where a native config overrides the family's."""
         rules = self.attention
         if self.add_qkv_bias:
             rules += QKV_BIAS
-        if self.qk_layernorm:
+        if self.qk_layernorm if qk_layernorm is None else qk_layernorm:
             rules += QK_NORM
         return rules + (self.moe if moe_layer else DENSE_MLP)
 
@@ -239,6 +241,7 @@ def model_rules(
     tied: bool,
     variant_params: Dict[int, List[str]],
     megatron_moe: Tuple[str, ...] = (),
+    qk_layernorm: Optional[bool] = None,
 ) -> Dict[int, List[Rule]]:
     """All rules of a model, grouped by layer (key -1: embedding, final norm, output layer).
 
@@ -247,11 +250,12 @@ def model_rules(
         variant_params: per layer, the plugin parameters (`VARIANT_PARAMS` names) it holds.
         megatron_moe: the Megatron tensor names of the model among `MEGATRON_MOE_EXTRAS` (the
             rules of those present are added; native Qwen3-MoE only).
+        qk_layernorm: the model's QK norm, when a native config overrides the family's.
     """
     groups = {-1: list(GLOBAL) + ([] if tied else [OUTPUT])}
     for layer in range(num_layers):
         rules = []
-        for rule in fam.layer_rules(moe_layers[layer]):
+        for rule in fam.layer_rules(moe_layers[layer], qk_layernorm):
             experts = range(num_experts) if "{E}" in rule.megatron else [None]
             for expert in experts:
                 rules.append(

@@ -90,6 +90,7 @@ def plan_rules(description: ModelDescription, shapes: Dict, with_variant_params:
             name for name in shapes if ".mlp.router.expert_bias" in name
             or ".mlp.shared_experts." in name
         ) if fam.name == "qwen3_moe" and with_variant_params else (),
+        qk_layernorm=bool(config.qk_layernorm),
     )
 
 

@@ -39,6 +39,7 @@ from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
+from megatron_mea.checkpoint.safe_pickle import MEGATRON_LM_ARGUMENT_CLASSES
 from megatron_mea.model_args import MODEL_FIELDS
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.training.checkpointing import TRACKER, checkpoint_dir, latest_iteration
@@ -69,23 +70,11 @@ def _stand_in(qualified_name: str):
     return type(qualified_name.rsplit(".", 1)[1], (SavedObject,), {"saved_class": qualified_name})
 
 
-# Types Megatron-LM's saved arguments and common state hold (Megatron-Core's own
-# `safe_globals.SAFE_GLOBALS` at both tags): data containers as themselves, Megatron's classes
-# as inert stand-ins (so a class renamed or missing in the installed release still reads).
-_STANDS_IN_FOR = (
-    "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.transformer.enums.CudaGraphModule",
-    "megatron.core.transformer.enums.InferenceCudaGraphScope",
-    "megatron.core.enums.ModelType",
-    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-    "megatron.core.rerun_state_machine.RerunDiagnostic",
-    "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState",
-    "signal.Signals",
-)
+# Types Megatron-LM's saved arguments and common state hold (declared with the scan's allow-list
+# in `safe_pickle`): data containers as themselves, Megatron's classes as inert stand-ins (so a
+# class renamed or missing in the installed release still reads).
 ALLOWED_TYPES = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO] + [
-    (_stand_in(name), name) for name in _STANDS_IN_FOR
+    (_stand_in(name), name) for name in MEGATRON_LM_ARGUMENT_CLASSES
 ]
 
 

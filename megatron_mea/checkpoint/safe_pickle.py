@@ -18,7 +18,10 @@ import pickle
 import zipfile
 from typing import BinaryIO, FrozenSet, Tuple, Union
 
-__all__ = ["ALLOWED", "UnsafePickleError", "check_pickle", "check_torch_save", "load_pickle"]
+__all__ = [
+    "ALLOWED", "MEGATRON_LM_ARGUMENT_CLASSES", "UnsafePickleError", "check_pickle",
+    "check_torch_save", "load_pickle",
+]
 
 
 class UnsafePickleError(ValueError):
@@ -27,6 +30,23 @@ class UnsafePickleError(ValueError):
 
 _DCP = "torch.distributed.checkpoint"
 _NUMPY_CORE = ("numpy.core.multiarray", "numpy._core.multiarray")
+
+# Classes of Megatron-Core (and the standard library) that Megatron-LM's saved arguments and
+# common state hold, at core_v0.16.1 and core_v0.19.0 (Megatron-Core's own
+# `dist_checkpointing.safe_globals` list): enum members, the optimizer config, the rerun state
+# machine's state. `megatron_lm_io` reads them as inert stand-ins, never importing them.
+MEGATRON_LM_ARGUMENT_CLASSES = (
+    "megatron.core.transformer.enums.AttnBackend",
+    "megatron.core.transformer.enums.CudaGraphScope",
+    "megatron.core.transformer.enums.CudaGraphModule",
+    "megatron.core.transformer.enums.InferenceCudaGraphScope",
+    "megatron.core.enums.ModelType",
+    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
+    "megatron.core.rerun_state_machine.RerunDiagnostic",
+    "megatron.core.rerun_state_machine.RerunMode",
+    "megatron.core.rerun_state_machine.RerunState",
+    "signal.Signals",
+)
 
 # (module, name) pairs the checkpoint formats of torch DCP, Megatron-Core and this package use.
 ALLOWED: FrozenSet[Tuple[str, str]] = frozenset(
@@ -72,10 +92,11 @@ ALLOWED: FrozenSet[Tuple[str, str]] = frozenset(
         ("builtins", "frozenset"),
         ("builtins", "slice"),
         ("_codecs", "encode"),
-        # Megatron-LM's common.pt also holds its argparse arguments, with these enums in them
+        # Megatron-LM's common state also holds its argparse arguments
         ("argparse", "Namespace"),
-        ("megatron.core.enums", "ModelType"),
-        ("megatron.core.transformer.enums", "AttnBackend"),
+        ("types", "SimpleNamespace"),
+        ("io", "BytesIO"),
+        *[tuple(qualified.rsplit(".", 1)) for qualified in MEGATRON_LM_ARGUMENT_CLASSES],
         # NumPy arrays (numpy.random.get_state in the RNG state)
         *[(module, "_reconstruct") for module in _NUMPY_CORE],
         ("numpy", "ndarray"),

@@ -13,6 +13,9 @@ Router fields (Qwen3-MoE only, optional): `moe_router_score_function` (`softmax`
 `moe_shared_expert_intermediate_size`, Megatron-Core's names and meaning. When
 `moe_router_score_function` is set, the model routes as Megatron does (the modeling file's
 `MegatronRouter`) instead of the stock router; `mea-convert export-hf` writes all of them then.
+
+`qk_layernorm` (Qwen3-MoE only, optional): false leaves out `q_norm` / `k_norm`, for MoE models
+without QK norm that Mixtral cannot express (dense and MoE layers mixed, Megatron's router).
 """
 
 from transformers import (

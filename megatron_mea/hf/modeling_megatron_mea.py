@@ -370,8 +370,11 @@ def _variant_model(base, config_class, qkv_bias=False, qk_norm=False):
     def __init__(self, config):
         base.__init__(self, config)
         megatron_router = getattr(config, "moe_router_score_function", None) is not None
+        # A Qwen3-MoE config may say qk_layernorm false: an MoE model without QK norm that
+        # Mixtral (no dense layers, no Megatron router) cannot express.
+        qk = getattr(config, "qk_layernorm", qk_norm)
         for index, layer in enumerate(self.model.layers):
-            layer.self_attn = VariantAttention(config, index, qkv_bias=qkv_bias, qk_norm=qk_norm)
+            layer.self_attn = VariantAttention(config, index, qkv_bias=qkv_bias, qk_norm=qk)
             if megatron_router and isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
                 layer.mlp = MegatronMoeBlock(config)
         self.post_init()

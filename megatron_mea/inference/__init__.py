@@ -18,6 +18,7 @@ from megatron_mea.inference.generate import (
 from megatron_mea.inference.loading import (
     InferenceModel,
     load_for_inference,
+    load_model,
     resolve_checkpoint,
 )
 from megatron_mea.inference.sampling import SamplingParams, sample_next_tokens
@@ -33,6 +34,7 @@ __all__ = [
     "generate",
     "kv_cache_bytes",
     "load_for_inference",
+    "load_model",
     "resolve_checkpoint",
     "sample_next_tokens",
 ]

@@ -119,7 +119,8 @@ def check_tensor_parallel(config, tp: int) -> None:
 def load_for_inference(
     checkpoint_dir: str, tp: int = 1, *, iteration: int | None = None
 ) -> InferenceModel:
-    """Build the run's model at tensor-parallel size `tp` and load a checkpoint into it.
+    """Build the run's model at tensor-parallel size `tp`, load a checkpoint into it, and build
+    the run's tokenizer.
 
     Initialises the process group if needed (a world of one when launched without torchrun) and
     (re)initialises Megatron's parallel state at TP `tp`; every rank of the world calls it, and
@@ -142,17 +143,14 @@ def load_for_inference(
             (`megatron_mea.training.checkpointing.verify_checkpoint`).
     """
     from megatron_mea.data import build_tokenizer
-    from megatron_mea.training.loop import initialize
-    from megatron_mea.training.model import build_model, transformer_config
 
     root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
-    if tp < 1:
-        raise ValueError(f"tp ({tp}) must be >= 1")
-    args = inference_args(ModelDescription.load(root).args, tp)
+    args = _inference_args_of(root, tp)
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ValueError(
             f"{root}: no tokenizer recorded (a Megatron-LM run is described with its tokenizer "
-            "only when its tokenizer_type was HuggingFaceTokenizer)"
+            "only when its tokenizer_type was HuggingFaceTokenizer; `load_model` loads the model "
+            "alone)"
         )
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     if args.vocab_size is None:
@@ -163,6 +161,38 @@ def load_for_inference(
             f"the tokenizer ({args.tokenizer_type}) has {tokenizer.vocab_size} ids, more than the "
             f"model's vocab_size ({args.vocab_size})"
         )
+    model = _build_and_load(args, directory, tp)
+    logger.info("loaded %s (iteration %d) at TP=%d", directory, iteration, tp)
+    return InferenceModel(model, tokenizer, args, iteration, directory)
+
+
+def load_model(checkpoint_dir: str, tp: int = 1, *, iteration: int | None = None):
+    """The checkpoint's model alone (no tokenizer: e.g. a Megatron-LM run with its
+    NullTokenizer), built and loaded as `load_for_inference` does.
+
+    Returns:
+        (the GPTModel in eval mode, the run's arguments with the inference layout).
+    """
+    root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
+    args = _inference_args_of(root, tp)
+    if args.vocab_size is None:
+        raise ValueError(f"{root}: no vocab_size recorded; load_for_inference takes it from the "
+                         "run's tokenizer")
+    return _build_and_load(args, directory, tp), args
+
+
+def _inference_args_of(root: str, tp: int) -> PretrainArgs:
+    if tp < 1:
+        raise ValueError(f"tp ({tp}) must be >= 1")
+    return inference_args(ModelDescription.load(root).args, tp)
+
+
+def _build_and_load(args: PretrainArgs, directory: str, tp: int):
+    """Check the layout, (re)initialise Megatron's parallel state, build the model at TP `tp` and
+    read the checkpoint `directory` into it."""
+    from megatron_mea.training.loop import initialize
+    from megatron_mea.training.model import build_model, transformer_config
+
     # The model must split at this TP whatever the world: checked before the world size.
     config = transformer_config(args)
     check_tensor_parallel(config, tp)
@@ -181,5 +211,4 @@ def load_for_inference(
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(state["model"])
     model.eval()
-    logger.info("loaded %s (iteration %d) at TP=%d", directory, iteration, tp)
-    return InferenceModel(model, tokenizer, args, iteration, directory)
+    return model

@@ -35,8 +35,9 @@ def transformer_config(
             CUDA is available; tests pass True to build a GPU run's exact configuration on CPU.
     """
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    architecture = config_fields(args)
     fields = dict(
-        **config_fields(args),
+        **architecture,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
@@ -53,7 +54,7 @@ def transformer_config(
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         fp8=args.fp8_format,
         fp8_recipe=args.fp8_recipe,
-        **fusion_settings(on_gpu, args.normalization),
+        **fusion_settings(on_gpu, architecture["normalization"]),
     )
     return MEATransformerConfig(**fields)
 

@@ -1,0 +1,105 @@
+"""Checkpoints written by Megatron-LM's real ``pretrain_gpt.py`` (on CPU, at the installed
+megatron-core's tag) export to Hugging Face with no hand-written file, and transformers' logits
+equal Megatron's.
+
+Three runs: MEA with virtual heads and mixed dense/MoE layers at TP=2 + SP (the shared
+``mea_tp2_checkpoint``), dense MEA with virtual heads at TP=1, and KHA-MLP with the sigmoid router
+and its expert bias (the KHA recipe's router) at TP=1. Megatron's logits are the checkpoint loaded
+into Megatron-Core's GPTModel at the TP it was saved at (``load_model``), on the run's world.
+"""
+
+import pytest
+import torch
+
+from megatron_mea.checkpoint import export_hf_checkpoint
+from tests._dist import run_distributed
+from tests.integrations.megatron_lm_cpu import KHA, MEA_VARIANT, MOE, TINY, train
+
+ATOL = 1e-4
+VOCAB = 256  # NullTokenizer --vocab-size 255 plus its EOD id
+# The KHA recipe's router (examples/megatron_lm/kha_moe_6b_a1b.sh): sigmoid scores, an expert
+# bias for aux-loss-free balancing, fp32 routing, top-k scaling. The large update rate moves the
+# bias far enough in 4 steps that it changes which experts are chosen.
+SIGMOID_ROUTER = [
+    "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+    "--moe-router-bias-update-rate", "0.1", "--moe-router-load-balancing-type", "none",
+    "--moe-router-dtype", "fp32", "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-layer-freq", "[1,0]",
+]
+
+
+def _ids(batch=2, seq=12, seed=5):
+    return torch.randint(0, 255, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def megatron_logits(rank, world_size, root, ids):
+    """Worker: the checkpoint's model in Megatron-Core at TP = the world; logits `[b, s, V]`."""
+    from megatron_mea.inference import load_model
+
+    model, _ = load_model(root, tp=world_size)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        return model(ids, positions, None, runtime_gather_output=True).float()
+
+
+@pytest.fixture(scope="module")
+def runs(megatron_lm_tree, mea_tp2_checkpoint, tmp_path_factory):
+    """(checkpoint, TP it was saved at) of each run, trained lazily."""
+    root = tmp_path_factory.mktemp("megatron_lm_export")
+    made = {"mea_tp2_mixed_moe": (mea_tp2_checkpoint[0], 2)}
+    flags = {
+        "mea_dense_virtual_heads": [*TINY, *MEA_VARIANT],
+        "kha_mlp_sigmoid_expert_bias": [*TINY, *KHA, *MOE, *SIGMOID_ROUTER],
+    }
+
+    def get(name):
+        if name not in made:
+            checkpoint = root / name
+            train(megatron_lm_tree, "pretrain_gpt.py",
+                  [*flags[name], "--train-iters", "4", "--save", str(checkpoint),
+                   "--save-interval", "4"], iterations=[1, 2, 3, 4])
+            made[name] = (checkpoint, 1)
+        return made[name]
+
+    return get
+
+
+def _load_hf(directory):
+    import megatron_mea.hf  # noqa: F401  (registers the native model types)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(directory).eval()
+
+
+@pytest.mark.parametrize("name, hf_class", [
+    ("mea_tp2_mixed_moe", "MegatronMEAQwen3MoeForCausalLM"),
+    ("mea_dense_virtual_heads", "MegatronMEALlamaForCausalLM"),
+    ("kha_mlp_sigmoid_expert_bias", "MegatronMEAQwen3MoeForCausalLM"),
+])
+def test_real_megatron_lm_checkpoint_exports_with_megatron_logits(runs, name, hf_class, tmp_path):
+    checkpoint, tp = runs(name)
+    assert not (checkpoint / "config.yaml").exists()  # nothing hand-written
+    ids = _ids()
+    reference = run_distributed(megatron_logits, tp, str(checkpoint), ids)[0]
+    out = tmp_path / "hf"
+    export_hf_checkpoint(str(checkpoint), str(out))
+    model = _load_hf(out)
+    assert type(model).__name__ == hf_class
+    with torch.no_grad():
+        logits = model(ids).logits.float()
+    assert logits.shape[-1] == VOCAB
+    difference = (logits - reference[..., :VOCAB]).abs().max().item()
+    print(f"{name}: max |HF logits - Megatron logits| = {difference:.1e}")
+    assert difference < ATOL, difference
+    with torch.no_grad():  # generation with the HF cache is greedy decoding without it
+        cached = model.generate(ids[:1, :5], max_new_tokens=6, do_sample=False, use_cache=True)
+        plain = model.generate(ids[:1, :5], max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, plain)
+    if name == "kha_mlp_sigmoid_expert_bias":
+        # The trained expert bias is in the export, and it routes: zeroed, the logits move.
+        bias = model.model.layers[0].mlp.gate.expert_bias
+        assert bias.abs().max() > 0.05, bias
+        with torch.no_grad():
+            bias.zero_()
+            unbiased = model(ids).logits.float()
+        assert (unbiased - reference[..., :VOCAB]).abs().max() > 1e-3
