@@ -61,6 +61,7 @@ from megatron_mea.checkpoint.megatron_io import (
     resolve_checkpoint,
     tensor_entries,
 )
+from megatron_mea.checkpoint.megatron_lm_io import CHECKPOINT_VERSION, megatron_lm_arguments
 from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
 from megatron_mea.training.checkpointing import (
     TRACKER,
@@ -182,8 +183,12 @@ def write_checkpoint(
         # first, into the empty directory (it warns of an "incomplete checkpoint" otherwise);
         # then its tensor index gains the parts.
         rest = {name: value for name, value in sharded.items() if name not in entries}
+        # Megatron-LM's saved arguments and format version too: its pretrain_gpt.py continues
+        # from this checkpoint (`--use-checkpoint-args --no-load-optim`).
         state = dict(model=rest, iteration=0, consumed_samples=0,
-                     parallel_layout=MODEL_ONLY_LAYOUT)
+                     parallel_layout=MODEL_ONLY_LAYOUT,
+                     args=megatron_lm_arguments(description.args, optimizer_saved=False),
+                     checkpoint_version=CHECKPOINT_VERSION)
         dist_checkpointing.save(state, directory)
         parts = _write_groups(directory, entries, groups, progress)
         _merge_parts(directory, parts)

@@ -2,6 +2,9 @@
 megatron-core's tag) export to Hugging Face with no hand-written file, and transformers' logits
 equal Megatron's.
 
+And back: the export imported (`mea-convert import-hf`) is a checkpoint Megatron-LM's loop
+continues from with `--use-checkpoint-args --no-load-optim`, as it continues the original.
+
 Three runs: MEA with virtual heads and mixed dense/MoE layers at TP=2 + SP (the shared
 ``mea_tp2_checkpoint``), dense MEA with virtual heads at TP=1, and KHA-MLP with the sigmoid router
 and its expert bias (the KHA recipe's router) at TP=1. Megatron's logits are the checkpoint loaded
@@ -11,9 +14,9 @@ into Megatron-Core's GPTModel at the TP it was saved at (``load_model``), on the
 import pytest
 import torch
 
-from megatron_mea.checkpoint import export_hf_checkpoint
+from megatron_mea.checkpoint import export_hf_checkpoint, import_hf_checkpoint
 from tests._dist import run_distributed
-from tests.integrations.megatron_lm_cpu import KHA, MEA_VARIANT, MOE, TINY, train
+from tests.integrations.megatron_lm_cpu import KHA, MEA_VARIANT, MOE, TINY, logged_arg, train
 
 ATOL = 1e-4
 VOCAB = 256  # NullTokenizer --vocab-size 255 plus its EOD id
@@ -103,3 +106,23 @@ def test_real_megatron_lm_checkpoint_exports_with_megatron_logits(runs, name, hf
             bias.zero_()
             unbiased = model(ids).logits.float()
         assert (unbiased - reference[..., :VOCAB]).abs().max() > 1e-3
+
+
+def test_an_imported_checkpoint_continues_in_megatron_lm_like_the_original(
+        runs, megatron_lm_tree, tmp_path):
+    checkpoint, _ = runs("mea_dense_virtual_heads")
+    hf, imported = tmp_path / "hf", tmp_path / "imported"
+    export_hf_checkpoint(str(checkpoint), str(hf))
+    import_hf_checkpoint(str(hf), str(imported))
+    # No variant flags: --use-checkpoint-args restores MEA from the saved arguments. The import
+    # has no optimizer state (--no-load-optim); the original is taken with a fresh optimizer and
+    # its iteration reset (--finetune), so both runs start from the same weights and data.
+    flags = [*TINY, "--use-checkpoint-args", "--train-iters", "2"]
+    continued = train(megatron_lm_tree, "pretrain_gpt.py",
+                      [*flags, "--no-load-optim", "--load", str(imported)], iterations=[1, 2])
+    original = train(megatron_lm_tree, "pretrain_gpt.py",
+                     [*flags, "--finetune", "--load", str(checkpoint)], iterations=[1, 2])
+    assert logged_arg(continued, "attention_variant") == "mea"
+    assert logged_arg(continued, "mea_num_kv_components") == "2"
+    print(f"imported: losses {continued.losses}; original: {original.losses}")
+    assert continued.losses == original.losses
