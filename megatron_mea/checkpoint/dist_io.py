@@ -61,7 +61,7 @@ from megatron_mea.checkpoint.megatron_io import (
     resolve_checkpoint,
     tensor_entries,
 )
-from megatron_mea.checkpoint.megatron_lm_io import CHECKPOINT_VERSION, megatron_lm_arguments
+from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_arguments
 from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
 from megatron_mea.training.checkpointing import (
     TRACKER,

@@ -32,6 +32,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_mea.checkpoint import integrity
+from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION
 from megatron_mea.training import optimizer_state
 from megatron_mea.training.checkpoint_checks import (
     TRACKER,
@@ -210,6 +211,7 @@ def save_checkpoint(
     use_distributed_optimizer=False,
     fully_reshardable=False,
     data_settings=None,
+    megatron_lm_args=None,
 ):
     """Save everything needed to resume exactly, at this or any other layout; all ranks call it.
 
@@ -223,6 +225,9 @@ def save_checkpoint(
             sharding type as Megatron-LM does (`dp_reshardable` unless `fully_reshardable`).
         data_settings: the run's vocabulary, tokenizer and sequence length
             (`checkpoint_checks.data_settings`), compared on resume.
+        megatron_lm_args: the run's arguments as Megatron-LM saves them
+            (`checkpoint.megatron_lm_io.megatron_lm_arguments`), saved with its checkpoint
+            version so that Megatron-LM's `pretrain_gpt.py --use-checkpoint-args` continues.
     """
     final = checkpoint_dir(root, iteration)
     tmp = final + ".tmp"
@@ -243,6 +248,8 @@ def save_checkpoint(
     )
     if data_settings is not None:
         state["data_settings"] = data_settings
+    if megatron_lm_args is not None:
+        state.update(args=megatron_lm_args, checkpoint_version=CHECKPOINT_VERSION)
     dist_checkpointing.save(state, tmp, content_metadata=_serializable(metadata))
     dist.barrier()
     _write_checksums(tmp)

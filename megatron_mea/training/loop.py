@@ -19,6 +19,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
+from megatron_mea.checkpoint.megatron_lm_args import megatron_lm_arguments
 from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.cpu import cuda_device_to_cpu, init_cpu_rng_tracker
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
@@ -413,6 +414,9 @@ class Trainer:
             use_distributed_optimizer=self.args.use_distributed_optimizer,
             fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
             data_settings=data_settings(self.args),
+            megatron_lm_args=megatron_lm_arguments(
+                self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
+            ),
         )
 
     def _report(self, record, progress, metrics_path):

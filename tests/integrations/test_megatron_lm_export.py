@@ -3,7 +3,8 @@ megatron-core's tag) export to Hugging Face with no hand-written file, and trans
 equal Megatron's.
 
 And back: the export imported (`mea-convert import-hf`) is a checkpoint Megatron-LM's loop
-continues from with `--use-checkpoint-args --no-load-optim`, as it continues the original.
+continues from with `--use-checkpoint-args --no-load-optim`, as it continues the original; and
+a `mea-pretrain` checkpoint is one it continues from with its Adam state and data position.
 
 Three runs: MEA with virtual heads and mixed dense/MoE layers at TP=2 + SP (the shared
 ``mea_tp2_checkpoint``), dense MEA with virtual heads at TP=1, and KHA-MLP with the sigmoid router
@@ -11,12 +12,18 @@ and its expert bias (the KHA recipe's router) at TP=1. Megatron's logits are the
 into Megatron-Core's GPTModel at the TP it was saved at (``load_model``), on the run's world.
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from megatron_mea.checkpoint import export_hf_checkpoint, import_hf_checkpoint
 from tests._dist import run_distributed
-from tests.integrations.megatron_lm_cpu import KHA, MEA_VARIANT, MOE, TINY, logged_arg, train
+from megatron_mea.checkpoint.megatron_lm_io import read_common_state
+from tests.integrations.megatron_lm_cpu import (
+    KHA, MEA_VARIANT, MOE, REPO, TINY, logged_arg, train)
 
 ATOL = 1e-4
 VOCAB = 256  # NullTokenizer --vocab-size 255 plus its EOD id
@@ -126,3 +133,46 @@ def test_an_imported_checkpoint_continues_in_megatron_lm_like_the_original(
     assert logged_arg(continued, "mea_num_kv_components") == "2"
     print(f"imported: losses {continued.losses}; original: {original.losses}")
     assert continued.losses == original.losses
+
+
+def test_megatron_lm_continues_a_mea_pretrain_checkpoint_with_its_optimizer(
+        megatron_lm_tree, tmp_path):
+    # TINY's model (dense MEA with virtual heads, 255 NullTokenizer ids -> 256 rows) trained by
+    # mea-pretrain for 2 iterations of 4 samples.
+    run = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "megatron_mea.cli.pretrain", "--num-layers", "2",
+        "--hidden-size", "64", "--ffn-hidden-size", "128", "--num-attention-heads", "4",
+        "--num-query-groups", "4", "--seq-length", "32", "--num-experts", "0",
+        "--no-qk-layernorm", "--vocab-size", "255", "--mock-data", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "2", "--save", str(run),
+        *MEA_VARIANT, "--no-progress-bar", "--eval-iters", "0",
+    ]
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    # Megatron-LM's scheduler counts samples where mea-pretrain's counts iterations: the run
+    # states its own schedule (docs/megatron-lm.md).
+    continued = train(megatron_lm_tree, "pretrain_gpt.py",
+                      [*TINY, "--use-checkpoint-args", "--override-opt_param-scheduler",
+                       "--load", str(run), "--train-iters", "4", "--save", str(tmp_path / "mlm"),
+                       "--save-interval", "4"], iterations=[3, 4])
+    assert logged_arg(continued, "attention_variant") == "mea"
+    saved = read_common_state(str(tmp_path / "mlm" / "iter_0000004"))
+    # Adam's step went on from mea-pretrain's 2 (a fresh optimizer would say 2), and the data
+    # from its 8 samples.
+    steps = [value for key, value in _leaves(saved["optimizer"]) if key == "common_step"]
+    assert steps and all(float(step) == 4 for step in steps), steps
+    assert saved["args"].consumed_train_samples == 16
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if isinstance(value, (dict, list)):
+                yield from _leaves(value)
+            else:
+                yield key, value
+    elif isinstance(tree, list):
+        for value in tree:
+            yield from _leaves(value)
