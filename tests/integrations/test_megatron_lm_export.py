@@ -152,7 +152,7 @@ def test_megatron_lm_continues_a_mea_pretrain_checkpoint_with_its_optimizer(
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     # Megatron-LM's scheduler counts samples where mea-pretrain's counts iterations: the run
-    # states its own schedule (docs/megatron-lm.md).
+    # states its own schedule (README, "From Hugging Face or mea-pretrain back to Megatron-LM").
     continued = train(megatron_lm_tree, "pretrain_gpt.py",
                       [*TINY, "--use-checkpoint-args", "--override-opt_param-scheduler",
                        "--load", str(run), "--train-iters", "4", "--save", str(tmp_path / "mlm"),
