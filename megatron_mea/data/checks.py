@@ -3,11 +3,16 @@
 Megatron asserts on a bad `.idx` header, reads past the end of a truncated `.bin` and, for a
 split that receives no document, loops forever while sizing its epochs. Here each of these is a
 `DatasetError` naming the file, or the split with the document counts, before any index is built.
+A token id the model's vocabulary does not have (data tokenized for another vocabulary) is named
+with the file before the model is built (`check_token_ids`), where training would fail at the
+first batch holding one, inside the embedding.
 """
 
+import json
 import os
 import re
 import struct
+from typing import Optional
 
 import numpy
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
@@ -81,3 +86,63 @@ def check_splits(prefix: str, documents: int, split: str) -> None:
                 f"--split {split}: the {name} split of {prefix} gets 0 of its {documents} "
                 f"documents ({shares}); give it weight 0 or use more data"
             )
+
+
+# Tokens scanned per chunk of `check_token_ids` (64 MiB of uint16).
+_SCAN_CHUNK = 1 << 25
+
+
+def check_token_ids(prefix: str, vocab_size: int, cache_dir: Optional[str] = None) -> int:
+    """Refuse a dataset holding a token id of `vocab_size` or more; returns its largest id.
+
+    The whole `.bin` is scanned (about 1-2 GB/s, with a progress bar from 1 GiB on); the result
+    is kept in `cache_dir` (the run's `--data-cache-path`), keyed by the file's path, size and
+    modification time, so a resumed run does not scan again.
+
+    Raises:
+        DatasetError: naming the file, its largest id and the vocabulary size.
+    """
+    bin_path = os.path.abspath(prefix + ".bin")
+    stat = os.stat(bin_path)
+    key = f"{bin_path}:{stat.st_size}:{stat.st_mtime_ns}"
+    cache = os.path.join(cache_dir, "max_token_ids.json") if cache_dir else None
+    known = {}
+    if cache and os.path.isfile(cache):
+        try:
+            with open(cache, encoding="utf-8") as handle:
+                known = json.load(handle)
+        except (OSError, ValueError):
+            known = {}  # a damaged cache is only a cache: scan again
+    largest = known.get(key)
+    if largest is None:
+        largest = _largest_id(prefix)
+        if cache:
+            os.makedirs(cache_dir, exist_ok=True)
+            known[key] = largest
+            staged = f"{cache}.{os.getpid()}.tmp"  # every rank may write it: one name each
+            with open(staged, "w", encoding="utf-8") as handle:
+                json.dump(known, handle)
+            os.replace(staged, cache)
+    if largest >= vocab_size:
+        raise DatasetError(
+            f"{prefix}.bin holds token id {largest}, the model's vocabulary has {vocab_size} "
+            "ids (0 to {}): data tokenized for another vocabulary? Set --vocab-size or "
+            "--tokenizer-model to the data's".format(vocab_size - 1)
+        )
+    return largest
+
+
+def _largest_id(prefix: str) -> int:
+    with open(prefix + ".idx", "rb") as handle:
+        code = struct.unpack("<QBQQ", handle.read(_HEADER_BYTES)[9:])[1]
+    tokens = numpy.memmap(prefix + ".bin", dtype=DType.dtype_from_code(code), mode="r")
+    chunks = range(0, len(tokens), _SCAN_CHUNK)
+    if tokens.nbytes >= 1 << 30:
+        from tqdm import tqdm
+
+        chunks = tqdm(chunks, desc=f"checking token ids of {os.path.basename(prefix)}.bin",
+                      unit="chunk")
+    largest = -1
+    for start in chunks:
+        largest = max(largest, int(tokens[start:start + _SCAN_CHUNK].max()))
+    return largest

@@ -443,6 +443,11 @@ def _validate_virtual_pipeline(args: PretrainArgs, num_microbatches: int) -> Non
         )
 
 
+def dataset_prefixes(data_path: List[str]) -> List[str]:
+    """The dataset prefixes of a Megatron-style `--data-path` (weights left out)."""
+    return [token for token in data_path if not _is_weight(token)]
+
+
 def _is_weight(token: str) -> bool:
     try:
         float(token)

@@ -24,7 +24,7 @@ from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.cpu import cuda_device_to_cpu, init_cpu_rng_tracker
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.training import checkpointing, processes, run_dir
-from megatron_mea.training.arguments import PretrainArgs, save_config
+from megatron_mea.training.arguments import PretrainArgs, dataset_prefixes, save_config
 from megatron_mea.training.batches import MicroBatches
 from megatron_mea.training.checkpoint_checks import (
     ModelMismatchError,
@@ -144,6 +144,13 @@ class Trainer:
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         if args.vocab_size is None:
             args.vocab_size = self.tokenizer.vocab_size
+        if args.data_path and not args.mock_data:
+            # Data tokenized for a larger vocabulary: named before the model is built (the
+            # embedding would fail at the first batch holding such an id).
+            from megatron_mea.data.checks import check_token_ids
+
+            for prefix in dataset_prefixes(args.data_path):
+                check_token_ids(prefix, args.vocab_size, args.data_cache_path)
         self.rank = dist.get_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)

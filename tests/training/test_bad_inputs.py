@@ -73,6 +73,32 @@ def test_damaged_data_and_a_split_without_documents_are_named(dataset, tmp_path,
     assert status == 2 and f"{empty}.bin: truncated or empty (0 bytes" in line
 
 
+def test_data_of_a_larger_vocabulary_is_refused_before_the_model_is_built(dataset, tmp_path):
+    import subprocess
+    import sys
+
+    import numpy
+
+    largest = int(numpy.fromfile(dataset + ".bin", dtype=numpy.uint16).max())
+    cache = tmp_path / "cache"
+    command = [sys.executable, "-m", "megatron_mea.cli.pretrain", "--num-layers", "2",
+               "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "0",
+               "--no-progress-bar", "--data-path", dataset, "--split", "1,0,0",
+               "--vocab-size", str(largest), "--data-cache-path", str(cache),
+               "--train-iters", "1", "--eval-iters", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    (line,) = [l for l in result.stderr.splitlines() if l.startswith("mea-pretrain: error:")]
+    assert f"{dataset}.bin holds token id {largest}, the model's vocabulary has {largest} ids" \
+        in line
+    # The scan is cached with the run's data cache, and one more id is enough.
+    assert (cache / "max_token_ids.json").exists()
+    command[command.index("--vocab-size") + 1] = str(largest + 1)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_generate_refuses_an_empty_prompt_before_loading(tmp_path, capsys):
     from megatron_mea.cli.generate import main as generate
 
