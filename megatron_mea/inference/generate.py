@@ -206,13 +206,6 @@ def generate(
             f"prompt + max_new_tokens ({longest}) exceeds the model's learned position "
             f"embeddings ({inner.max_sequence_length})"
         )
-    if not learned and longest > inner.max_sequence_length:
-        # RoPE computes any position, but the model never saw these: say so, and go on.
-        logger.warning(
-            "prompt + max_new_tokens (%d) exceeds the sequence length the model was built for "
-            "(%d): positions past it were never trained, quality may drop", longest,
-            inner.max_sequence_length,
-        )
 
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(sampling.seed)

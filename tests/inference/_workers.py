@@ -76,6 +76,24 @@ def generate_cli(rank, world_size, argv_list):
     return outputs
 
 
+def generate_cli_warnings(rank, world_size, argv_list):
+    """Run `mea-generate` once per argv (in this process); return its exit code and the
+    warning lines it wrote to stderr."""
+    import contextlib
+    import io
+
+    from megatron_mea.cli.generate import main
+
+    outputs = []
+    for argv in argv_list:
+        errors = io.StringIO()
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+            code = main(argv)
+        outputs.append((code, [line for line in errors.getvalue().splitlines()
+                               if "warning:" in line]))
+    return outputs
+
+
 def load_and_generate(rank, world_size, runs, prompts, new_tokens, vocab_size):
     """For each (checkpoint root, tp): `load_for_inference` at TP `tp`, greedy `generate`; the
     tokens, their logits over the real vocabulary, the model's logit rows and the largest

@@ -73,3 +73,15 @@ def test_greedy_generation_is_deterministic_at_any_tp_and_reports_speed_and_cach
     assert _text(tp2) == _text(first)  # same greedy text at TP=2
     total, per_rank = _report(tp2)
     assert total == _report(first)[0] and per_rank * 2 == total
+
+
+def test_a_prompt_past_the_trained_length_gets_one_warning_line(checkpoint):
+    # The run was trained at --seq-length 32; ByteLevel gives one token per character.
+    base = ["--load", checkpoint, "--max-new-tokens", "2", "--ignore-eod"]
+    (short, long_), = run_distributed(_workers.generate_cli_warnings, 1, [
+        [*base, "--prompt", "a" * 30], [*base, "--prompt", "a" * 31, "--prompt", "b"]])
+    assert short == (0, [])
+    code, (line,) = long_
+    assert code == 0
+    assert line.endswith("warning: prompt 0 (31 tokens) + --max-new-tokens 2 exceeds the "
+                         "sequence length the model was trained at (32)"), line

@@ -149,17 +149,3 @@ def test_text_stream_holds_back_incomplete_characters():
     pieces = [stream.push(t) for t in tokenizer.tokenize("a\u00e9b")]
     assert pieces == ["a", "", "\u00e9", "b"]
     assert stream.flush() == ""
-
-
-def test_a_sequence_past_the_trained_length_is_warned_about(single_rank, caplog):
-    from tests._models import SEQ
-
-    model, prompt = _model({}), [list(range(1, SEQ))]
-    with caplog.at_level("WARNING", logger="megatron_mea.inference.generate"):
-        generate(model, IdTokenizer(), prompt, 1, stop_at_eod=False)
-    assert not caplog.records  # prompt + 1 new token fits
-    with caplog.at_level("WARNING", logger="megatron_mea.inference.generate"):
-        generate(model, IdTokenizer(), prompt, 3, stop_at_eod=False)
-    (record,) = caplog.records
-    assert f"({SEQ + 2}) exceeds the sequence length the model was built for ({SEQ})" in (
-        record.getMessage())
