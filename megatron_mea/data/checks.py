@@ -95,7 +95,7 @@ _SCAN_CHUNK = 1 << 25
 def check_token_ids(prefix: str, vocab_size: int, cache_dir: Optional[str] = None) -> int:
     """Refuse a dataset holding a token id of `vocab_size` or more; returns its largest id.
 
-    The whole `.bin` is scanned (about 1-2 GB/s, with a progress bar from 1 GiB on); the result
+    The whole `.bin` is scanned (at disk speed; a progress bar from 1 GiB on); the result
     is kept in `cache_dir` (the run's `--data-cache-path`), keyed by the file's path, size and
     modification time, so a resumed run does not scan again.
 
