@@ -76,7 +76,7 @@ from torch.overrides import TorchFunctionMode
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["cuda_device_to_cpu", "init_cpu_rng_tracker", "megatron_on_cpu"]
+__all__ = ["cuda_device_to_cpu", "init_cpu_rng_tracker", "megatron_on_cpu", "require_cpu_patches"]
 
 _MISSING = object()
 _depth = 0  # how many megatron_on_cpu blocks are open; only the outermost patches
@@ -316,6 +316,23 @@ _PATCHES = (
     _p8_cpu_causal_masks,
     _p9_clip_grads,
 )
+
+
+def require_cpu_patches(entry: str) -> None:
+    """Refuse, in one line, to run the library entry point `entry` on a CPU-only torch outside
+    `megatron_on_cpu()` (Megatron-Core would fail deep inside with "Torch not compiled with CUDA
+    enabled"). The entry points do not enter the block themselves: the patches are
+    process-wide, and a library call that left them applied, or undid them under a caller's
+    model, would change Megatron-Core behind the caller's back. The command-line tools enter it.
+
+    Raises:
+        RuntimeError: no CUDA and no open `megatron_on_cpu()` block.
+    """
+    if not torch.cuda.is_available() and _depth == 0:
+        raise RuntimeError(
+            f"{entry} runs Megatron-Core, which needs CUDA or the CPU patches: on a CPU-only "
+            "torch call it inside `with megatron_mea.cpu.megatron_on_cpu():`"
+        )
 
 
 @contextlib.contextmanager

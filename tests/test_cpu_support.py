@@ -107,3 +107,38 @@ def test_sequence_parallel_torch_norm_marks_its_params(single_rank):
     assert all(p.sequence_parallel for p in norm.parameters())
     x = torch.randn(4, 2, 64)
     torch.testing.assert_close(norm(x), torch.nn.functional.rms_norm(x, (64,), norm.weight, 1e-5))
+
+
+def test_library_entry_points_outside_the_patches_say_so_in_one_line(tmp_path):
+    # A fresh interpreter: the test session itself runs inside megatron_on_cpu().
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "assert not torch.cuda.is_available()\n"
+        "from megatron_mea.inference import load_for_inference, load_model\n"
+        "from megatron_mea.training.loop import Trainer\n"
+        "from megatron_mea.training.arguments import parse_args\n"
+        "from megatron_mea.cpu import megatron_on_cpu\n"
+        "for call in (lambda: load_for_inference('nowhere'), lambda: load_model('nowhere'),\n"
+        "             lambda: Trainer(parse_args(['--mock-data']))):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except RuntimeError as exc:\n"
+        "        print(exc)\n"
+        "with megatron_on_cpu():\n"
+        "    try:\n"
+        "        load_model('nowhere')\n"
+        "    except FileNotFoundError:\n"
+        "        print('inside: the checkpoint is looked for')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 4, result.stdout
+    for entry, line in zip(("load_for_inference", "load_model", "Trainer"), lines):
+        assert line.startswith(f"{entry} runs Megatron-Core, which needs CUDA or the CPU patches")
+        assert "with megatron_mea.cpu.megatron_on_cpu():" in line
+    assert lines[3] == "inside: the checkpoint is looked for"

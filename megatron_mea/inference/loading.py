@@ -22,6 +22,7 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_mea.checkpoint.megatron_io import UNSHARDED_BUT_TP, ModelDescription
 from megatron_mea.checkpoint.megatron_lm_io import common_state_types
+from megatron_mea.cpu import require_cpu_patches
 from megatron_mea.training import checkpointing
 from megatron_mea.training.arguments import PretrainArgs
 
@@ -144,6 +145,7 @@ def load_for_inference(
     """
     from megatron_mea.data import build_tokenizer
 
+    require_cpu_patches("load_for_inference")
     root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
     args = _inference_args_of(root, tp)
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
@@ -173,6 +175,7 @@ def load_model(checkpoint_dir: str, tp: int = 1, *, iteration: int | None = None
     Returns:
         (the GPTModel in eval mode, the run's arguments with the inference layout).
     """
+    require_cpu_patches("load_model")
     root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
     args = _inference_args_of(root, tp)
     if args.vocab_size is None:

@@ -21,7 +21,7 @@ from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
 from megatron_mea.checkpoint.megatron_lm_args import megatron_lm_arguments
 from megatron_mea.compat import batch_on_this_cp_rank
-from megatron_mea.cpu import cuda_device_to_cpu, init_cpu_rng_tracker
+from megatron_mea.cpu import cuda_device_to_cpu, init_cpu_rng_tracker, require_cpu_patches
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.training import checkpointing, processes, run_dir
 from megatron_mea.training.arguments import PretrainArgs, dataset_prefixes, save_config
@@ -127,6 +127,7 @@ class Trainer:
     """One pretraining run: build, (resume,) train, evaluate, checkpoint."""
 
     def __init__(self, args: PretrainArgs):
+        require_cpu_patches("Trainer")
         self.args = args
         initialize(args)
         # Before anything is built: one writer per --save, no silent fresh start over a run.
