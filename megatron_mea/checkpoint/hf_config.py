@@ -20,6 +20,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from megatron_mea.checkpoint.hf_families import FAMILIES, Family, family
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
+from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS, router_outside_stock
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.variant import fields_of_scope
 
@@ -32,28 +33,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 VARIANT_FIELDS = tuple(name for name in fields_of_scope("model") if not name.endswith("_per_layer"))
 
 
-# Megatron's router settings a native Qwen3-MoE config.json carries (Megatron-Core's names; the
-# modeling code's `MegatronRouter` computes them), with the value under which a stock family
-# routes the same way (None: any value a stock family can say, see `moe_layer_pattern`).
-ROUTER_FIELDS = {
-    "moe_router_score_function": "softmax",
-    "moe_router_enable_expert_bias": False,
-    "moe_router_topk_scaling_factor": None,
-    "moe_shared_expert_intermediate_size": None,
-    "moe_router_pre_softmax": None,
-}
-
-
 def non_stock_router(config) -> Optional[Tuple[str, object]]:
     """(field, value) of the first router setting of `config` (an `MEATransformerConfig`) that
-    no stock transformers family computes, or None."""
+    no stock transformers family computes, or None (`router_outside_stock`)."""
     if not config.num_moe_experts:
         return None
-    for name, stock in ROUTER_FIELDS.items():
-        value = getattr(config, name)
-        if name != "moe_router_pre_softmax" and value and value != stock:
-            return name, value
-    return None
+    return router_outside_stock(config)
 
 
 def mixtral_cannot_say(config) -> Optional[str]:

@@ -80,8 +80,14 @@ ALLOWED_TYPES = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, i
 
 def common_state_types():
     """Context in which `torch.load(weights_only=True)` (Megatron-Core's `dist_checkpointing.load`
-    reading a common state) accepts the types of Megatron-LM's saved arguments, and no more."""
-    return torch.serialization.safe_globals(ALLOWED_TYPES)
+    reading a common state) accepts the types of Megatron-LM's saved arguments, and no more.
+
+    Only the types not yet allowed are added, and only those are taken away again: torch's own
+    context manager removes every type it was given on exit, which would also take back what
+    Megatron-Core allows process-wide at import (`megatron.core.safe_globals`: the argument
+    namespace among them), and later loads of checkpoints holding one would fail."""
+    present = set(torch.serialization.get_safe_globals())
+    return torch.serialization.safe_globals([t for t in ALLOWED_TYPES if t not in present])
 
 
 def safe_load(source) -> object:

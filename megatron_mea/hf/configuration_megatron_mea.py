@@ -27,6 +27,28 @@ from transformers import (
 )
 
 
+# Megatron's router settings a native Qwen3-MoE config.json carries (Megatron-Core's names; the
+# modeling code's `MegatronRouter` computes them), with the value under which a stock family
+# routes the same way (None: any value a stock family can say).
+ROUTER_FIELDS = {
+    "moe_router_score_function": "softmax",
+    "moe_router_enable_expert_bias": False,
+    "moe_router_topk_scaling_factor": None,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_router_pre_softmax": None,
+}
+
+
+def router_outside_stock(config):
+    """(field, value) of the first router setting of `config` (a native config, or Megatron's
+    `TransformerConfig`: the same names) that no stock family's MoE block computes, or None."""
+    for name, stock in ROUTER_FIELDS.items():
+        value = getattr(config, name, None)
+        if name != "moe_router_pre_softmax" and value and value != stock:
+            return name, value
+    return None
+
+
 class MegatronMEALlamaConfig(LlamaConfig):
     """Llama with an MEA / KHA attention variant."""
 

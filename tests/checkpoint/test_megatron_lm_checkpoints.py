@@ -23,6 +23,7 @@ from megatron_mea.checkpoint import export_hf_checkpoint, import_hf_checkpoint
 from megatron_mea.checkpoint.dist_io import read_checkpoint
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
 from megatron_mea.checkpoint.megatron_lm_io import (
+    common_state_types,
     description_from_megatron_lm,
     read_common_state,
     safe_load,
@@ -217,3 +218,14 @@ def test_mea_generate_decodes_a_megatron_lm_checkpoint_as_its_export(tmp_path, s
     assert greedy[0, 6:].tolist() == result["tokens"][0]
     for got, want in zip(result["logits"], _hf_logits_of(model, prompts, result["tokens"])):
         torch.testing.assert_close(got, want[:, :127], atol=ATOL, rtol=ATOL)
+
+
+def test_the_allow_list_leaves_megatron_cores_own_safe_globals_in_place():
+    # Megatron-Core allows argparse.Namespace process-wide at import; reading a Megatron-LM
+    # common state must not take that back (our checkpoints hold Megatron-LM's arguments too).
+    import megatron.core  # noqa: F401  (registers its safe globals)
+
+    assert argparse.Namespace in torch.serialization.get_safe_globals()
+    with common_state_types():
+        pass
+    assert argparse.Namespace in torch.serialization.get_safe_globals()

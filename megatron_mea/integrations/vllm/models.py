@@ -27,6 +27,7 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
+from megatron_mea.hf.configuration_megatron_mea import router_outside_stock
 from megatron_mea.integrations.vllm.attention import VariantAttention
 
 
@@ -141,6 +142,24 @@ class VariantModel(nn.Module):
         return AutoWeightsLoader(self).load_weights(weights, mapper=_WEIGHTS_MAPPER)
 
 
+def _refuse_what_vllm_layers_cannot_compute(config) -> None:
+    """Native Qwen3-MoE exports that route as only Megatron does (the sigmoid router, an expert
+    bias, top-k scaling, a shared expert) or have no QK norm (`qk_layernorm` false) are computed
+    by `megatron_mea.hf`'s modeling code; vLLM's `Qwen3MoeSparseMoeBlock` would compute another
+    function. Refused, naming the field."""
+    router = router_outside_stock(config)
+    if router:
+        raise ValueError(
+            f"{router[0]} ({router[1]!r}): Megatron's router is not served by the vLLM plugin "
+            "(vLLM's Qwen3-MoE block routes otherwise); use the export with transformers"
+        )
+    if getattr(config, "qk_layernorm", True) is False:
+        raise ValueError(
+            "qk_layernorm (False): a Qwen3-MoE export without QK norm is not served by the "
+            "vLLM plugin; use the export with transformers"
+        )
+
+
 class VariantForCausalLM(nn.Module):
     """Causal LM of a native export; `family` (a class attribute) picks the MLP and the
     attention's biases / q-k norms."""
@@ -150,6 +169,7 @@ class VariantForCausalLM(nn.Module):
     def __init__(self, *, vllm_config, prefix=""):
         super().__init__()
         config = vllm_config.model_config.hf_config
+        _refuse_what_vllm_layers_cannot_compute(config)
         self.config = config
         self.model = VariantModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                   family=self.family)
