@@ -58,8 +58,13 @@ gpu-wheels:
 	done
 	$(GPU_PIP) download --quiet --no-deps --only-binary=:all: -d $(GPU_WHEELS) pytest pluggy \
 		iniconfig pygments packaging pytest-timeout tqdm nvidia-ml-py
-	rm -rf build  # setuptools' staging folder: stale modules there would land in the wheel
-	$(GPU_PIP) wheel --quiet --no-deps -w $(GPU_WHEELS) . && rm -rf build
+	# This package's wheel, built from a copy of the tree: setuptools stages in build/ next to
+	# the sources (stale modules there would land in the wheel, and two builds at once collide).
+	stage=$$(mktemp -d) && $(PYTHON) -c "import shutil, sys; shutil.copytree('.', sys.argv[1], \
+		ignore=shutil.ignore_patterns('.venv*', '.git', 'build', 'runs', 'wheels', '*.egg-info', \
+		'.hypothesis', '.pytest_cache', '__pycache__'))" $$stage/src \
+		&& $(GPU_PIP) wheel --quiet --no-deps -w $(abspath $(GPU_WHEELS)) $$stage/src; \
+		status=$$?; rm -rf $$stage; exit $$status
 	@du -sh $(GPU_WHEELS) && ls $(GPU_WHEELS)
 
 # On the GPU machine (no venv): install what it lacks from wheels/ and run every GPU check within
