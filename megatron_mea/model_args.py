@@ -135,6 +135,51 @@ class ModelArgs(AttentionVariantFields):
         return -(-self.vocab_size // multiple) * multiple
 
 
+@dataclass
+class RunArgs(ModelArgs):
+    """The model with what its checkpoints record of the run that wrote them: the parallel
+    layout, the precision, the layer implementation, the tokenizer and the seed.
+
+    Everything that rebuilds a checkpoint's model at some layout reads these (the converters'
+    description, inference, the library's `megatron_mea.gpt`); `mea-pretrain`'s `PretrainArgs`
+    adds the training settings. A run's `config.yaml` holds all of its arguments; a reader of
+    `RunArgs` takes these fields from it (`megatron_mea.run_config.load_run_args`)."""
+
+    # ---- parallelism --------------------------------------------------------------------------
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Interleaved (virtual) pipeline: layers per model chunk; each pipeline rank holds
+    num_layers / (pipeline_model_parallel_size x this) chunks (Megatron-LM's flag)."""
+    # ---- precision and implementation ---------------------------------------------------------
+    bf16: bool = False
+    fp8_format: Optional[Literal["e4m3", "hybrid"]] = None
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    core_attention: Literal["megatron", "sdpa"] = "megatron"
+    """Core attention of the local spec: Megatron's unfused DotProductAttention or torch's
+    scaled_dot_product_attention (the same function; transformer_impl=local only)."""
+    # ---- tokenizer and seed -------------------------------------------------------------------
+    tokenizer_type: Literal["ByteLevelTokenizer", "HuggingFaceTokenizer"] = "ByteLevelTokenizer"
+    tokenizer_model: Optional[str] = None
+    seed: int = 1234
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> Optional[int]:
+        """Model chunks per pipeline rank, derived as Megatron-LM does (None: no interleaving,
+        also when these arguments are reused without pipeline parallelism, e.g. for inference)."""
+        if not self.num_layers_per_virtual_pipeline_stage or self.pipeline_model_parallel_size < 2:
+            return None
+        per_stage = self.num_layers // self.pipeline_model_parallel_size
+        chunks = per_stage // self.num_layers_per_virtual_pipeline_stage
+        return chunks if chunks > 1 else None
+
+
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunArgs))
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelArgs))
 # The model fields beyond the attention variant's (which `megatron_mea.variant` declares).
 ARCHITECTURE_FIELDS = tuple(

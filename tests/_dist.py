@@ -17,6 +17,17 @@ import torch.multiprocessing as mp
 from megatron_mea.cpu import megatron_on_cpu
 
 
+# The variables a process group reads at start-up. In-process tests set them (a world of one);
+# a subprocess that starts a world of its own must not inherit them (it would reuse a port).
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def standalone_environment(**extra) -> dict:
+    """This process's environment without `RENDEZVOUS`, plus `extra`: for a subprocess that
+    starts a world of its own."""
+    return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
+
+
 def free_port() -> int:
     """A TCP port on the loopback interface that is free right now."""
     with socket.socket() as sock:

@@ -20,7 +20,7 @@ from megatron_mea.model_args import (
     declared,
 )
 from megatron_mea.model_size import ModelShape
-from megatron_mea.training import model as training_model
+from megatron_mea import gpt
 from megatron_mea.training.arguments import PretrainArgs, build_parser
 
 # A non-default value for every architecture field, valid together (a 4-layer MoE model).
@@ -78,7 +78,7 @@ def test_the_config_translation_carries_every_field_it_declares():
 def test_the_trainer_maps_no_model_field_by_hand():
     # transformer_config / build_model read the model fields only through config_fields and
     # gpt_model_kwargs: a hand-written `args.<model field>` there is a second declaration.
-    for function in (training_model.transformer_config, training_model.build_model):
+    for function in (gpt.transformer_config, gpt.build_model):
         tree = ast.parse(inspect.getsource(function))
         read = {node.attr for node in ast.walk(tree)
                 if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
@@ -88,7 +88,7 @@ def test_the_trainer_maps_no_model_field_by_hand():
 
 def test_the_resume_check_compares_the_declared_tensor_fields():
     from megatron_mea.model_args import TENSOR_FIELDS
-    from megatron_mea.training import checkpoint_checks
+    from megatron_mea.checkpoint import checks as checkpoint_checks
 
     assert checkpoint_checks.MODEL_SETTINGS is TENSOR_FIELDS
     assert {"num_layers", "moe_router_enable_expert_bias"} <= set(TENSOR_FIELDS)

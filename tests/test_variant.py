@@ -10,7 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_mea import MEATransformerConfig
 from megatron_mea.model_size import ModelShape, model_size
 from megatron_mea.training.arguments import PretrainArgs, build_parser, parse_args
-from megatron_mea.training.model import transformer_config
+from megatron_mea.gpt import transformer_config
 from megatron_mea.variant import (
     VARIANT_FIELDS,
     AttentionVariantFields,

@@ -46,6 +46,11 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
+from megatron_mea.checkpoint.checks import (
+    TRACKER,
+    checkpoint_dir,
+    verify_checkpoint,
+)
 from megatron_mea.checkpoint.integrity import (
     checkpoint_files,
     checksum_files,
@@ -63,11 +68,6 @@ from megatron_mea.checkpoint.megatron_io import (
 )
 from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_arguments
 from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
-from megatron_mea.training.checkpointing import (
-    TRACKER,
-    checkpoint_dir,
-    verify_checkpoint,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Hugging Face `config.json` <-> the Megatron model description (`PretrainArgs`).
+"""Hugging Face `config.json` <-> the Megatron model description (`RunArgs`).
 
 Import refuses what the Megatron model cannot compute the same way (another activation, RoPE
 scaling other than Megatron's llama3 form, sliding windows, biases Megatron does not have),
@@ -21,11 +21,11 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron_mea.checkpoint.hf_families import FAMILIES, Family, family
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
 from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS, router_outside_stock
-from megatron_mea.training.arguments import PretrainArgs
+from megatron_mea.model_args import RUN_FIELDS, RunArgs
 from megatron_mea.variant import fields_of_scope
 
 NATIVE_PREFIX = "megatron_mea_"
-_ARG_FIELDS = {f.name for f in dataclasses.fields(PretrainArgs)}
+_ARG_FIELDS = set(RUN_FIELDS)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The variant fields a native `megatron_mea_*` config.json carries (resolved, never None where
 # they apply): the model-scope fields of `megatron_mea.variant`, less the per-layer ones (a
@@ -75,7 +75,7 @@ def split_model_type(model_type: str) -> Tuple[Family, bool]:
 
 
 # Megatron-LM's default padding multiple. Every power-of-two TP size up to 128 divides it, so a
-# checkpoint keeps the same rows at any of them (PretrainArgs pads without the TP factor).
+# checkpoint keeps the same rows at any of them (RunArgs pads without the TP factor).
 VOCAB_MULTIPLE = 128
 # Megatron-Core's llama3 RoPE scaling takes only `factor`; the other parameters are the
 # defaults of `RotaryEmbedding._apply_scaling` (read there, so a release that changes them is
@@ -122,7 +122,7 @@ def rope_settings(config) -> Tuple[float, Optional[float]]:
     return theta, float(parameters["factor"])
 
 
-def rope_parameters(args: PretrainArgs, theta: float) -> Dict:
+def rope_parameters(args: RunArgs, theta: float) -> Dict:
     """The HF `rope_parameters` of a model with `args`' RoPE settings (inverse of
     `rope_settings`)."""
     if not args.use_rope_scaling:
@@ -218,7 +218,7 @@ def description_from_hf(
         make_vocab_size_divisible_by: Megatron pads the vocabulary to a multiple of this (zero
             rows; `vocab_size` keeps the HF size). Default: 128 (`vocab_multiple`).
         tokenizer_dir: recorded as the run's HuggingFaceTokenizer model.
-        parallel: PretrainArgs parallel sizes to record (e.g. tensor_model_parallel_size).
+        parallel: RunArgs parallel sizes to record (e.g. tensor_model_parallel_size).
     """
     fam, native = split_model_type(config.model_type)
     check_supported(fam, config)
@@ -261,7 +261,7 @@ def description_from_hf(
         position_embedding_type="rope",
         rotary_base=int(theta) if theta.is_integer() else theta,
         use_rope_scaling=scaling is not None,
-        rope_scaling_factor=scaling or PretrainArgs.rope_scaling_factor,
+        rope_scaling_factor=scaling or RunArgs.rope_scaling_factor,
         init_method_std=getattr(config, "initializer_range", 0.02),
         num_experts=None,
         **variant,
@@ -289,14 +289,14 @@ def description_from_hf(
             fields.update({name: getattr(config, name) for name in ROUTER_FIELDS})
     unknown = sorted(set(fields) - _ARG_FIELDS)
     if unknown:
-        raise TypeError(f"description_from_hf: {unknown} are not PretrainArgs fields")
+        raise TypeError(f"description_from_hf: {unknown} are not RunArgs fields")
     hf_config = config.to_dict()
     for name in VARIANT_FIELDS:
         hf_config.pop(name, None)
     if native:
         hf_config["model_type"] = fam.name
         hf_config["architectures"] = [fam.architecture]
-    description = ModelDescription(PretrainArgs(**fields), hf_config)
+    description = ModelDescription(RunArgs(**fields), hf_config)
     description.transformer_config()  # validates the variant and the parallel sizes
     return description
 

@@ -4,7 +4,7 @@ Layout (what `megatron_mea.training.checkpointing.load_checkpoint` resumes from)
 
     <root>/latest_checkpointed_iteration.txt   # "0"
     <root>/iter_0000000/                      # torch_dist: the model's tensors, nothing else
-    <root>/config.yaml                        # PretrainArgs of the model (mea-pretrain --config)
+    <root>/config.yaml                        # RunArgs of the model (mea-pretrain --config)
     <root>/conversion.json                    # what config.yaml cannot say (see ModelDescription)
 
 The converters name tensors as in `GPTModel.state_dict()` at TP=1 (local spec) and take keys,
@@ -32,16 +32,16 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.models.gpt import GPTModel
 from torch.overrides import TorchFunctionMode
 
-from megatron_mea.model_args import MODEL_FIELDS, gpt_model_kwargs
-from megatron_mea.specs import get_gpt_decoder_block_spec
-from megatron_mea.training.arguments import PretrainArgs, load_yaml, save_config
-from megatron_mea.training.checkpointing import (
+from megatron_mea.checkpoint.checks import (
     TRACKER,
     checkpoint_dir,
     latest_iteration,
     verify_checkpoint,
 )
-from megatron_mea.training.model import transformer_config
+from megatron_mea.gpt import free_port, transformer_config
+from megatron_mea.model_args import MODEL_FIELDS, RunArgs, gpt_model_kwargs
+from megatron_mea.run_config import load_run_args, save_config
+from megatron_mea.specs import get_gpt_decoder_block_spec
 
 logger = logging.getLogger(__name__)
 
@@ -77,15 +77,15 @@ class ModelDescription:
     """Everything needed to rebuild the model of a checkpoint.
 
     Attributes:
-        args: the run arguments `mea-pretrain` reads (`config.yaml`); their model fields are the
-            `megatron_mea.model_args.ModelArgs` declaration, the rest records the dtype, the
-            tokenizer and the layout the checkpoint was written at.
+        args: the model and what its checkpoint records of the run (`RunArgs`, from
+            `config.yaml`): the `megatron_mea.model_args.ModelArgs` fields, the layout it was
+            written at, the dtype, the tokenizer.
         hf_config: the Hugging Face `config.json` the model came from (a template for export).
         source: the Hugging Face directory it was imported from (tokenizer and generation
             files are copied from there on export).
     """
 
-    args: PretrainArgs
+    args: RunArgs
     hf_config: Optional[Dict] = None
     source: Optional[str] = None
 
@@ -120,14 +120,14 @@ class ModelDescription:
             from megatron_mea.checkpoint.megatron_lm_io import describe_megatron_lm_checkpoint
 
             return describe_megatron_lm_checkpoint(root)
-        args = PretrainArgs(**load_yaml(path))
+        args = load_run_args(path)
         payload = {}
         extra = os.path.join(root, CONVERSION_FILE)
         if os.path.exists(extra):
             with open(extra, encoding="utf-8") as handle:
                 payload = json.load(handle)
         # Files written before the model description was declared once kept the model fields
-        # PretrainArgs lacked then under "overrides"; they are model fields now.
+        # the run arguments lacked then under "overrides"; they are model fields now.
         legacy = payload.get("overrides") or {}
         unknown = sorted(set(legacy) - set(MODEL_FIELDS))
         if unknown:
@@ -135,14 +135,6 @@ class ModelDescription:
         if legacy:
             args = dataclasses.replace(args, **legacy)
         return cls(args, payload.get("hf_config"), payload.get("source"))
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -157,7 +149,7 @@ def converter_process() -> Iterator[None]:
     own_group = not dist.is_initialized()
     if own_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     if dist.get_world_size() != 1:
         raise RuntimeError("the checkpoint converters run in a single process (world size 1)")
@@ -257,7 +249,7 @@ def build_model(description: ModelDescription, **parallel) -> GPTModel:
 
     Args:
         description: the model.
-        parallel: `PretrainArgs` parallel sizes to use instead of the recorded ones, e.g.
+        parallel: `RunArgs` parallel sizes to use instead of the recorded ones, e.g.
             `tensor_model_parallel_size=2` (they must match Megatron's parallel state).
     """
     if parallel:

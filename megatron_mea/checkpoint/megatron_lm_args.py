@@ -26,7 +26,7 @@ def megatron_lm_arguments(
     variant's fields) and `load_checkpoint` read. The inverse of `description_from_megatron_lm`.
 
     Args:
-        args: the run's `PretrainArgs` (a description's).
+        args: the run's `RunArgs` (a description's, or `mea-pretrain`'s `PretrainArgs`).
         optimizer_saved: whether the checkpoint holds Megatron's optimizer state and scheduler.
             The RNG state is never Megatron-LM's (`no_save_rng`): Megatron-LM starts its own.
         consumed_samples: training samples consumed (Megatron-LM continues its data there).

@@ -38,11 +38,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from megatron_mea.checkpoint.checks import TRACKER, checkpoint_dir, latest_iteration
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
 from megatron_mea.checkpoint.safe_pickle import MEGATRON_LM_ARGUMENT_CLASSES
-from megatron_mea.model_args import MODEL_FIELDS
-from megatron_mea.training.arguments import PretrainArgs
-from megatron_mea.training.checkpointing import TRACKER, checkpoint_dir, latest_iteration
+from megatron_mea.model_args import MODEL_FIELDS, RunArgs
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +197,6 @@ def description_from_megatron_lm(args: argparse.Namespace, where: str) -> ModelD
     if args.tokenizer_type == "NullTokenizer":
         fields["vocab_size"] += 1  # Megatron-LM's NullTokenizer adds the EOD id
     run = dict(
-        mock_data=True,
         bf16=bool(getattr(args, "bf16", False)),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -214,7 +212,7 @@ def description_from_megatron_lm(args: argparse.Namespace, where: str) -> ModelD
         logger.warning("%s: tokenizer_type %s is not a Hugging Face tokenizer: none is recorded "
                        "(the export carries no tokenizer files)", where, args.tokenizer_type)
     try:
-        description = ModelDescription(PretrainArgs(**fields, **run))
+        description = ModelDescription(RunArgs(**fields, **run))
         if padded is not None and description.args.padded_vocab_size != padded:
             raise ConversionError(
                 f"{where}: padded_vocab_size ({padded}) is not vocab_size "

@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(run_args, variant):
-    from megatron_mea.training.model import build_model, transformer_config
+    from megatron_mea.gpt import build_model, transformer_config
 
     fields = dict(VARIANTS[variant])
     if variant == "mea-half":
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
     from megatron_mea.inference import generate
     from megatron_mea.training.arguments import PretrainArgs
-    from megatron_mea.training.loop import initialize
+    from megatron_mea.gpt import initialize
 
     run_args = PretrainArgs(
         num_layers=opts.num_layers, hidden_size=opts.hidden_size,

@@ -1,7 +1,7 @@
 """Load a `mea-pretrain` checkpoint for inference at any tensor-parallel size.
 
-A run directory holds `config.yaml` (the run's `PretrainArgs`), `latest_checkpointed_iteration.txt`
-and `iter_XXXXXXX/` torch_dist checkpoints (see `megatron_mea.training.checkpointing`); a
+A run directory holds `config.yaml` (the run's arguments), `latest_checkpointed_iteration.txt`
+and `iter_XXXXXXX/` torch_dist checkpoints (see `megatron_mea.training.checkpointing`, which writes them); a
 Megatron-LM run directory has no `config.yaml`, its model is described by the arguments saved in
 the checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). The model is
 rebuilt from the saved arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1;
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
+from megatron_mea.checkpoint import checks
 from megatron_mea.checkpoint.megatron_io import UNSHARDED_BUT_TP, ModelDescription
 from megatron_mea.checkpoint.megatron_lm_io import common_state_types
 from megatron_mea.cpu import require_cpu_patches
-from megatron_mea.training import checkpointing
-from megatron_mea.training.arguments import PretrainArgs
+from megatron_mea.model_args import RunArgs
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class InferenceModel:
 
     model: object
     tokenizer: object
-    args: PretrainArgs
+    args: RunArgs
     iteration: int
     checkpoint: str
 
@@ -74,13 +74,13 @@ def resolve_checkpoint(path: str, iteration: int | None = None):
     else:
         root = path
         if iteration is None:
-            iteration = checkpointing.latest_iteration(root)
+            iteration = checks.latest_iteration(root)
         if iteration is None:
             raise FileNotFoundError(
-                f"{root!r} has no {checkpointing.TRACKER}: pass an iter_XXXXXXX directory or "
+                f"{root!r} has no {checks.TRACKER}: pass an iter_XXXXXXX directory or "
                 "an iteration"
             )
-    directory = checkpointing.checkpoint_dir(root, iteration)
+    directory = checks.checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"no checkpoint directory {directory!r}")
     if not os.path.isfile(os.path.join(root, "config.yaml")) and not os.path.isfile(
@@ -93,15 +93,14 @@ def resolve_checkpoint(path: str, iteration: int | None = None):
     return root, directory, iteration
 
 
-def inference_args(args: PretrainArgs, tp: int) -> PretrainArgs:
+def inference_args(args: RunArgs, tp: int) -> RunArgs:
     """The run's arguments with the inference layout: TP `tp`, everything else unsharded.
 
     A padding multiple that `tp` does not divide grows to their least common multiple: Megatron
     loads the embedding and output layer across a change of padding (rows past the saved ones
     are zeros), and generation never picks a row past the tokenizer's."""
     return dataclasses.replace(
-        args, **UNSHARDED_BUT_TP, tensor_model_parallel_size=tp, use_distributed_optimizer=False,
-        load=None, save=None,
+        args, **UNSHARDED_BUT_TP, tensor_model_parallel_size=tp,
         make_vocab_size_divisible_by=math.lcm(args.make_vocab_size_divisible_by, tp),
     )
 
@@ -141,7 +140,7 @@ def load_for_inference(
             not a multiple of `tp`), `tp` does not divide the world size, or the tokenizer has
             ids the model lacks.
         CheckpointError: a partial or corrupt checkpoint, or one of another model
-            (`megatron_mea.training.checkpointing.verify_checkpoint`).
+            (`megatron_mea.checkpoint.checks.verify_checkpoint`).
     """
     from megatron_mea.data import build_tokenizer
 
@@ -184,17 +183,16 @@ def load_model(checkpoint_dir: str, tp: int = 1, *, iteration: int | None = None
     return _build_and_load(args, directory, tp), args
 
 
-def _inference_args_of(root: str, tp: int) -> PretrainArgs:
+def _inference_args_of(root: str, tp: int) -> RunArgs:
     if tp < 1:
         raise ValueError(f"tp ({tp}) must be >= 1")
     return inference_args(ModelDescription.load(root).args, tp)
 
 
-def _build_and_load(args: PretrainArgs, directory: str, tp: int):
+def _build_and_load(args: RunArgs, directory: str, tp: int):
     """Check the layout, (re)initialise Megatron's parallel state, build the model at TP `tp` and
     read the checkpoint `directory` into it."""
-    from megatron_mea.training.loop import initialize
-    from megatron_mea.training.model import build_model, transformer_config
+    from megatron_mea.gpt import build_model, initialize, transformer_config
 
     # The model must split at this TP whatever the world: checked before the world size.
     config = transformer_config(args)
@@ -209,7 +207,7 @@ def _build_and_load(args: PretrainArgs, directory: str, tp: int):
         parallel_state.destroy_model_parallel()
     initialize(args)
     model = build_model(args, config, pre_process=True, post_process=True)
-    checkpointing.verify_checkpoint(directory, model)
+    checks.verify_checkpoint(directory, model)
     with common_state_types():  # a Megatron-LM checkpoint's common state holds its arguments
         state = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(state["model"])

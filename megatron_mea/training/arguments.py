@@ -6,52 +6,31 @@ resolved arguments are saved next to the checkpoints (`<save>/config.yaml`).
 """
 
 import argparse
-import ast
 import dataclasses
 import os
-import typing
 from dataclasses import dataclass
-from typing import List, Literal, Optional, Tuple
+from typing import List, Literal, Optional
 
-import yaml
-
-from megatron_mea.model_args import ModelArgs
+from megatron_mea.model_args import ModelArgs, RunArgs
+from megatron_mea.run_config import CUSTOM_TYPES, base_type, load_yaml
 from megatron_mea.variant import AttentionVariantFields, attribute_docs
 
 
 @dataclass
-class PretrainArgs(ModelArgs):
+class PretrainArgs(RunArgs):
     """All settings of a pretraining run (defaults: a CPU-sized MoE GPT on mock data).
 
     The model's flags (`--num-layers`, `--moe-*`, the attention-variant flags `--attention-variant`,
-    `--mea-*`, `--kha-*`, ...) are the fields of `ModelArgs`, inherited."""
+    `--mea-*`, `--kha-*`, ...) are the fields of `ModelArgs`; the layout, precision, tokenizer
+    and seed flags those of `RunArgs` (`megatron_mea.model_args`), inherited."""
 
-    # ---- model: the fields of `megatron_mea.model_args.ModelArgs` (with the variant's) ------
-    # ---- attention variant: the fields of `megatron_mea.variant.AttentionVariantFields` ------
+    # ---- model, variant, layout, precision, tokenizer, seed: `RunArgs`'s fields -------------
     no_decay_plugin_matrices: bool = False
     """Exempt head_mix / knock matrices from weight decay (Megatron decays every 2-D param)."""
-    # ---- parallelism --------------------------------------------------------------------------
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    expert_model_parallel_size: int = 1
-    expert_tensor_parallel_size: Optional[int] = None
-    context_parallel_size: int = 1
-    sequence_parallel: bool = False
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    """Interleaved (virtual) pipeline: layers per model chunk; each pipeline rank holds
-    num_layers / (pipeline_model_parallel_size x this) chunks (Megatron-LM's flag)."""
     use_distributed_optimizer: bool = False
     dist_ckpt_optim_fully_reshardable: bool = False
     """Save the distributed optimizer's state as `fully_reshardable` (resumable at any TP / PP /
     EP / DP layout) instead of Megatron-LM's default `dp_reshardable` (DP changes only)."""
-    # ---- precision ----------------------------------------------------------------------------
-    bf16: bool = False
-    fp8_format: Optional[Literal["e4m3", "hybrid"]] = None
-    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
-    transformer_impl: Literal["local", "transformer_engine"] = "local"
-    core_attention: Literal["megatron", "sdpa"] = "megatron"
-    """Core attention of the local spec: Megatron's unfused DotProductAttention or torch's
-    scaled_dot_product_attention (the same function; transformer_impl=local only)."""
     # ---- optimisation -------------------------------------------------------------------------
     micro_batch_size: int = 4
     global_batch_size: int = 8
@@ -67,13 +46,10 @@ class PretrainArgs(ModelArgs):
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
-    seed: int = 1234
     # ---- data ---------------------------------------------------------------------------------
     data_path: Optional[List[str]] = None
     split: str = "969,30,1"
     mock_data: bool = False
-    tokenizer_type: Literal["ByteLevelTokenizer", "HuggingFaceTokenizer"] = "ByteLevelTokenizer"
-    tokenizer_model: Optional[str] = None
     data_cache_path: Optional[str] = None
     # ---- checkpoints, evaluation, logging -----------------------------------------------------
     save: Optional[str] = None
@@ -122,53 +98,8 @@ class PretrainArgs(ModelArgs):
             return self.lr_warmup_iters
         return int(self.lr_warmup_fraction * self.train_iters)
 
-    @property
-    def virtual_pipeline_model_parallel_size(self) -> Optional[int]:
-        """Model chunks per pipeline rank, derived as Megatron-LM does (None: no interleaving,
-        also when these arguments are reused without pipeline parallelism, e.g. for inference)."""
-        if not self.num_layers_per_virtual_pipeline_stage or self.pipeline_model_parallel_size < 2:
-            return None
-        per_stage = self.num_layers // self.pipeline_model_parallel_size
-        chunks = per_stage // self.num_layers_per_virtual_pipeline_stage
-        return chunks if chunks > 1 else None
 
 
-def _layer_pattern(value):
-    """`moe_layer_freq`: an int, a list of 0/1, or either written as a string ("[0,1,1]")."""
-    if isinstance(value, str):
-        try:
-            value = ast.literal_eval(value)
-        except (ValueError, SyntaxError) as exc:
-            raise ValueError(
-                f"moe_layer_freq: expected an int or a list such as [0,1,1], got {value!r}"
-            ) from exc
-    if isinstance(value, bool) or not (
-        isinstance(value, int)
-        or (isinstance(value, list) and all(v in (0, 1) and not isinstance(v, bool) for v in value))
-    ):
-        raise ValueError(f"moe_layer_freq: expected an int or a list of 0/1, got {value!r}")
-    return value
-
-
-_CUSTOM_TYPES = {"moe_layer_freq": _layer_pattern}
-
-
-def _base_type(annotation):
-    """(python type, is_list, choices) of a field annotation such as Optional[List[str]],
-    Optional[Tuple[int, ...]] or Literal["a", "b"] (choices: the Literal's values, else None)."""
-    args = [a for a in typing.get_args(annotation) if a not in (type(None), Ellipsis)]
-    origin = typing.get_origin(annotation)
-    if origin is typing.Union:
-        return _base_type(args[0])
-    if origin in (list, List, tuple, Tuple):
-        kind, _, choices = _base_type(args[0])
-        return kind, True, choices
-    if origin is Literal:
-        return type(args[0]), False, tuple(args)
-    return annotation, False, None
-
-
-# Extra spellings Megatron-LM accepts for some flags.
 _ALIASES = {
     "override_opt_param_scheduler": ("--override-opt_param-scheduler",),
     "use_checkpoint_opt_param_scheduler": ("--use-checkpoint-opt_param-scheduler",),
@@ -194,16 +125,17 @@ def build_parser() -> argparse.ArgumentParser:
     docs = {
         **attribute_docs(AttentionVariantFields),
         **attribute_docs(ModelArgs),
+        **attribute_docs(RunArgs),
         **attribute_docs(PretrainArgs),
     }
     for f in dataclasses.fields(PretrainArgs):
         help_text = docs.get(f.name, "").replace("%", "%%") or None
-        if f.name in _CUSTOM_TYPES:
+        if f.name in CUSTOM_TYPES:
             parser.add_argument(
-                _flag(f.name), dest=f.name, type=_CUSTOM_TYPES[f.name], help=help_text
+                _flag(f.name), dest=f.name, type=CUSTOM_TYPES[f.name], help=help_text
             )
             continue
-        kind, is_list, choices = _base_type(f.type)
+        kind, is_list, choices = base_type(f.type)
         if kind is bool and f.name.startswith("no_"):
             # `--no-load-optim` and the like are switches (BooleanOptionalAction would read the
             # leading "no-" as a negation and store False).
@@ -225,53 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _coerce(name: str, value, annotation):
-    """Type-check one YAML value; raise ValueError naming the key."""
-    kind, is_list, choices = _base_type(annotation)
-    if value is None:
-        return None
-    if is_list:
-        value = value if isinstance(value, list) else [value]
-        return [_coerce(name, v, kind) for v in value]
-    if kind is bool and not isinstance(value, bool):
-        raise ValueError(f"{name}: expected true/false, got {value!r}")
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
-        raise ValueError(f"{name}: expected {kind.__name__}, got {value!r}")
-    return value
-
-
-def load_yaml(path: str) -> dict:
-    """Read a YAML config (safe loader); keys may use `-` or `_`; unknown keys are an error."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            raw = yaml.safe_load(handle) or {}
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read the config ({exc.strerror})") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        where = getattr(exc, "problem_mark", None)
-        at = f" at line {where.line + 1}" if where is not None else ""
-        raise ValueError(f"{path}: not valid YAML{at} ({getattr(exc, 'problem', exc)})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a mapping of flag: value, got {type(raw).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(PretrainArgs)}
-    values = {}
-    for key, value in raw.items():
-        name = str(key).replace("-", "_")
-        if name not in fields:
-            raise ValueError(f"{path}: unknown setting {key!r}")
-        if name in _CUSTOM_TYPES:
-            values[name] = _CUSTOM_TYPES[name](value)
-        else:
-            values[name] = _coerce(f"{path}: {key}", value, fields[name].type)
-    return values
-
-
 def parse_args(argv: Optional[List[str]] = None) -> PretrainArgs:
     """YAML (if `--config`) overridden by command-line flags, then validated."""
     namespace = vars(build_parser().parse_args(argv))
-    values = load_yaml(namespace.pop("config")) if "config" in namespace else {}
+    values = load_yaml(namespace.pop("config"), PretrainArgs) if "config" in namespace else {}
     values.update(namespace)
     args = PretrainArgs(**values)
     validate(args)
@@ -358,7 +247,7 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
             if not _is_weight(path) and not os.path.exists(path + ".idx"):
                 raise ValueError(f"{path_flag}: no dataset at {path!r} (missing {path}.idx)")
     # The model config validates the architecture and the variant fields (without any process).
-    from megatron_mea.training.model import transformer_config
+    from megatron_mea.gpt import transformer_config
 
     transformer_config(args, world_size=world_size)
 
@@ -407,7 +296,7 @@ def _validate_run_inputs(args: PretrainArgs) -> None:
 def _validate_choices(args: PretrainArgs) -> None:
     """Every field typed with a `Literal` (or a list of them) holds one of its values."""
     for f in dataclasses.fields(PretrainArgs):
-        _, is_list, choices = _base_type(f.type)
+        _, is_list, choices = base_type(f.type)
         value = getattr(args, f.name)
         if choices is None or value is None:
             continue
@@ -454,18 +343,3 @@ def _is_weight(token: str) -> bool:
         return True
     except ValueError:
         return False
-
-
-def save_config(args: PretrainArgs, directory: str) -> str:
-    """Write the resolved arguments to `<directory>/config.yaml` (atomically)."""
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, "config.yaml")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        values = {
-            name: list(value) if isinstance(value, tuple) else value
-            for name, value in dataclasses.asdict(args).items()
-        }
-        yaml.safe_dump(values, handle, sort_keys=False)
-    os.replace(tmp, path)
-    return path

@@ -15,7 +15,8 @@ keys, so a checkpoint resumes at any other TP / PP / VPP / EP / DP layout (`load
 only the distributed optimizer's default `dp_reshardable` format is tied to its model-parallel
 layout (refused with a message).
 
-The checks that refuse a checkpoint before loading are in `checkpoint_checks` (re-exported here:
+The checks that refuse a checkpoint before loading are the library's `megatron_mea.checkpoint.checks`
+(re-exported here:
 `CheckpointError`, `TRACKER`, `checkpoint_dir`, `latest_iteration`, `verify_checkpoint`), the
 restoring of optimizer and scheduler state in `optimizer_state`.
 """
@@ -32,9 +33,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_mea.checkpoint import integrity
-from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION
-from megatron_mea.training import optimizer_state
-from megatron_mea.training.checkpoint_checks import (
+from megatron_mea.checkpoint.checks import (
     TRACKER,
     CheckpointError,
     check_data_settings,
@@ -43,6 +42,8 @@ from megatron_mea.training.checkpoint_checks import (
     latest_iteration,
     verify_checkpoint,
 )
+from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION
+from megatron_mea.training import optimizer_state
 
 __all__ = [
     "TRACKER",
@@ -224,7 +225,7 @@ def save_checkpoint(
         use_distributed_optimizer, fully_reshardable: select the distributed optimizer's
             sharding type as Megatron-LM does (`dp_reshardable` unless `fully_reshardable`).
         data_settings: the run's vocabulary, tokenizer and sequence length
-            (`checkpoint_checks.data_settings`), compared on resume.
+            (`megatron_mea.checkpoint.checks.data_settings`), compared on resume.
         megatron_lm_args: the run's arguments as Megatron-LM saves them
             (`checkpoint.megatron_lm_io.megatron_lm_arguments`), saved with its checkpoint
             version so that Megatron-LM's `pretrain_gpt.py --use-checkpoint-args` continues.

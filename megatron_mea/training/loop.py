@@ -19,25 +19,21 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
-from megatron_mea.checkpoint.megatron_lm_args import megatron_lm_arguments
-from megatron_mea.compat import batch_on_this_cp_rank
-from megatron_mea.cpu import cuda_device_to_cpu, init_cpu_rng_tracker, require_cpu_patches
-from megatron_mea.layers import enable_fold_cache, with_fold_flush
-from megatron_mea.training import checkpointing, processes, run_dir
-from megatron_mea.training.arguments import PretrainArgs, dataset_prefixes, save_config
-from megatron_mea.training.batches import MicroBatches
-from megatron_mea.training.checkpoint_checks import (
+from megatron_mea.checkpoint.checks import (
     ModelMismatchError,
     data_settings,
     explain_model_mismatch,
 )
-from megatron_mea.training.model import (
-    build_model,
-    build_optimizer,
-    build_scheduler,
-    transformer_config,
-    wrap_ddp,
-)
+from megatron_mea.checkpoint.megatron_lm_args import megatron_lm_arguments
+from megatron_mea.compat import batch_on_this_cp_rank
+from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
+from megatron_mea.gpt import build_model, initialize, transformer_config
+from megatron_mea.layers import enable_fold_cache, with_fold_flush
+from megatron_mea.run_config import save_config
+from megatron_mea.training import checkpointing, processes, run_dir
+from megatron_mea.training.arguments import PretrainArgs, dataset_prefixes
+from megatron_mea.training.batches import MicroBatches
+from megatron_mea.training.model import build_optimizer, build_scheduler, wrap_ddp
 from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
 
 logger = logging.getLogger(__name__)
@@ -47,48 +43,6 @@ AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (non-finite loss or grad norm under the `stop` policy)."""
-
-
-def initialize(args: PretrainArgs) -> None:
-    """Process group (NCCL on GPUs, gloo on CPU), Megatron's parallel state and seeds.
-
-    Without CUDA, call it inside `megatron_mea.cpu.megatron_on_cpu()` (the CLIs do).
-    """
-    on_gpu = torch.cuda.is_available()
-    if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:  # a plain `python -m`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        if on_gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if on_gpu else "gloo")
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-    )
-    # Same seed on every rank: replicated parameters start identical (Megatron-LM offsets the
-    # seed by pipeline stage only).
-    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    if on_gpu:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed)
-    else:
-        init_cpu_rng_tracker(seed)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _forward_step(data_iterator, model):

@@ -23,7 +23,7 @@ import socket
 import time
 from typing import Optional, Tuple
 
-from megatron_mea.training.checkpoint_checks import TRACKER, latest_iteration
+from megatron_mea.checkpoint.checks import TRACKER, latest_iteration
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from megatron_mea.checkpoint import export_hf_checkpoint, import_hf_checkpoint
-from tests._dist import run_distributed
+from tests._dist import run_distributed, standalone_environment
 from megatron_mea.checkpoint.megatron_lm_io import read_common_state
 from tests.integrations.megatron_lm_cpu import (
     KHA, MEA_VARIANT, MOE, REPO, TINY, logged_arg, train)
@@ -148,7 +148,7 @@ def test_megatron_lm_continues_a_mea_pretrain_checkpoint_with_its_optimizer(
         "--global-batch-size", "4", "--train-iters", "2", "--save", str(run),
         *MEA_VARIANT, "--no-progress-bar", "--eval-iters", "0",
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore")
+    env = standalone_environment(PYTHONWARNINGS="ignore")
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     # Megatron-LM's scheduler counts samples where mea-pretrain's counts iterations: the run

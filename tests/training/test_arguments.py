@@ -3,7 +3,8 @@
 import pytest
 import yaml
 
-from megatron_mea.training.arguments import PretrainArgs, build_parser, parse_args, save_config
+from megatron_mea.run_config import save_config
+from megatron_mea.training.arguments import PretrainArgs, build_parser, parse_args
 
 MOCK = ["--mock-data", "--vocab-size", "128"]
 

@@ -8,6 +8,7 @@ import pytest
 
 from megatron_mea.cli.pretrain import main
 from megatron_mea.data import ByteLevelTokenizer, preprocess_files
+from tests._dist import standalone_environment
 
 MOCK = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--num-experts", "4", "--no-progress-bar"]
@@ -86,7 +87,8 @@ def test_data_of_a_larger_vocabulary_is_refused_before_the_model_is_built(datase
                "--no-progress-bar", "--data-path", dataset, "--split", "1,0,0",
                "--vocab-size", str(largest), "--data-cache-path", str(cache),
                "--train-iters", "1", "--eval-iters", "0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env=standalone_environment())
     assert result.returncode == 2, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     (line,) = [l for l in result.stderr.splitlines() if l.startswith("mea-pretrain: error:")]
@@ -95,7 +97,8 @@ def test_data_of_a_larger_vocabulary_is_refused_before_the_model_is_built(datase
     # The scan is cached with the run's data cache, and one more id is enough.
     assert (cache / "max_token_ids.json").exists()
     command[command.index("--vocab-size") + 1] = str(largest + 1)
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env=standalone_environment())
     assert result.returncode == 0, result.stderr[-3000:]
 
 

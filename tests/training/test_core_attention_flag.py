@@ -6,7 +6,7 @@ import torch
 
 from megatron_mea.layers.sdpa_attention import SDPADotProductAttention
 from megatron_mea.training.arguments import parse_args
-from megatron_mea.training.model import build_model, transformer_config
+from megatron_mea.gpt import build_model, transformer_config
 from tests._models import forward_loss
 
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",

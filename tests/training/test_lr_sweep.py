@@ -149,7 +149,7 @@ def test_gpu_preset_has_the_shape_of_the_papers_lr_study(tmp_path):
 def test_the_sweep_has_the_papers_controls():
     """Baseline, +norm, +HLC, HLC + norm; the norm-only run has no mixing matrices."""
     from megatron_mea.training.arguments import parse_args
-    from megatron_mea.training.model import transformer_config
+    from megatron_mea.gpt import transformer_config
 
     for name, (hlc, norm) in {"mea-norm-only": (False, True), "mea-no-norm": (True, False),
                               "mea": (True, True)}.items():

@@ -14,11 +14,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from megatron_mea import compat
-from tests._dist import run_distributed
+from tests._dist import run_distributed, standalone_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Variables of a launcher around this test session that a CLI run must not inherit.
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -234,9 +233,8 @@ def test_without_config_yaml_the_refusal_names_tensor_and_shapes(saved_checkpoin
 
 def _cli(argv, **env):
     """`python -m megatron_mea.cli.pretrain argv` as a world of its own: (exit status, stderr)."""
-    clean = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     run = subprocess.run([sys.executable, "-m", "megatron_mea.cli.pretrain", *argv],
-                         cwd=ROOT, env={**clean, **env}, capture_output=True, text=True,
+                         cwd=ROOT, env=standalone_environment(**env), capture_output=True, text=True,
                          timeout=300)
     return run.returncode, run.stderr
 
@@ -377,7 +375,7 @@ def test_a_crafted_pickle_is_refused_without_running_it(saved_checkpoint, tmp_pa
     status = subprocess.run(
         [sys.executable, "-m", "megatron_mea.cli.generate", "--load", ckpt, "--prompt", "x"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={k: v for k, v in os.environ.items() if k not in _RENDEZVOUS},
+        env=standalone_environment(),
     )
     assert status.returncode != 0 and "Traceback" not in status.stderr, status.stderr[-3000:]
     assert re.search(r"refused: it names (os|posix)\.system", status.stderr)

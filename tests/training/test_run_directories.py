@@ -21,6 +21,7 @@ from megatron_mea.training.run_dir import (
     check_load,
     claim_run_directories,
 )
+from tests._dist import standalone_environment
 
 
 def _args(**kwargs):
@@ -114,7 +115,6 @@ TINY = [
     "--mock-data", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
     "--no-progress-bar", "--attention-variant", "mea",
 ]
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -122,13 +122,9 @@ def _command(argv):
     return [sys.executable, "-m", "megatron_mea.cli.pretrain", *TINY, *argv]
 
 
-def _env():
-    return {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
-
-
 def _refusal(argv):
     """Run mea-pretrain to its refusal: (status, its one error line, stderr)."""
-    run = subprocess.run(_command(argv), cwd=_ROOT, env=_env(), capture_output=True, text=True,
+    run = subprocess.run(_command(argv), cwd=_ROOT, env=standalone_environment(), capture_output=True, text=True,
                          timeout=300)
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     lines = [line for line in run.stderr.splitlines() if line.startswith("mea-pretrain: error:")]
@@ -141,7 +137,7 @@ def test_second_writer_sigkill_and_a_typo_lose_nothing(tmp_path):
     tracker = os.path.join(save, "latest_checkpointed_iteration.txt")
     first = subprocess.Popen(_command(["--train-iters", "100000", "--save", save,
                                        "--save-interval", "1"]),
-                             cwd=_ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                             cwd=_ROOT, env=standalone_environment(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 240

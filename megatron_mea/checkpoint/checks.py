@@ -27,7 +27,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 # Optimizer tensors (checkpoints of earlier versions prefix a ChainedOptimizer's with chained_N.).
 OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
-# PretrainArgs fields that decide the model's tensors and their shapes, besides the attention
+# Run fields that decide the model's tensors and their shapes, besides the attention
 # variant's fields of scope "model": declared with the model description.
 MODEL_SETTINGS = TENSOR_FIELDS
 
@@ -237,15 +237,15 @@ def model_setting_differences(saved: dict, current: dict) -> list:
 
 def explain_model_mismatch(root: str, args, error: ModelMismatchError) -> CheckpointError:
     """`error` restated as the model settings that differ between the run that saved `root`
-    (its `config.yaml`) and `args` (PretrainArgs), or `error` itself when there is no
+    (its `config.yaml`) and `args` (a `RunArgs`), or `error` itself when there is no
     config.yaml or no setting differs (the tensor message is then the best there is)."""
-    from megatron_mea.training.arguments import PretrainArgs, load_yaml
+    from megatron_mea.run_config import load_run_args
 
     path = os.path.join(root, "config.yaml")
     if not os.path.isfile(path):
         return error
     try:
-        saved_args = PretrainArgs(**load_yaml(path))
+        saved_args = load_run_args(path)
     except (TypeError, ValueError):  # a config of another version: keep the tensor message
         return error
     differences = model_setting_differences(model_settings(saved_args), model_settings(args))
@@ -258,7 +258,7 @@ def explain_model_mismatch(root: str, args, error: ModelMismatchError) -> Checkp
 
 
 def model_settings(args) -> dict:
-    """The settings of `args` (PretrainArgs) that decide the model's tensors and shapes.
+    """The settings of `args` (a `RunArgs`) that decide the model's tensors and shapes.
 
     The padded vocabulary is not one of them: Megatron loads the embedding and output layer
     across a change of padding (their `allow_shape_mismatch`)."""
@@ -276,7 +276,7 @@ DATA_SETTINGS = {"vocab_size": "--vocab-size", "tokenizer_type": "--tokenizer-ty
 
 
 def data_settings(args) -> dict:
-    """The settings of `args` (PretrainArgs, vocab_size resolved) a checkpoint records; the
+    """The settings of `args` (a `RunArgs`, vocab_size resolved) a checkpoint records; the
     tokenizer by its directory's name (a run may move, the tokenizer stays the same)."""
     model = args.tokenizer_model
     return dict(vocab_size=args.vocab_size, tokenizer_type=args.tokenizer_type,

@@ -1,0 +1,128 @@
+"""The GPT model of a run: its `MEATransformerConfig`, the model of one pipeline stage, and the
+process group and parallel state it runs in.
+
+The trainer, the converters and inference build their models here from a `RunArgs` (the model
+description of `megatron_mea.model_args` with the layout, precision and implementation), so a
+checkpoint's model is the same model whoever builds it.
+"""
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+
+from megatron_mea.config import MEATransformerConfig
+from megatron_mea.cpu import init_cpu_rng_tracker
+from megatron_mea.fusions import fusion_settings
+from megatron_mea.model_args import RunArgs, config_fields, gpt_model_kwargs
+from megatron_mea.specs import get_gpt_decoder_block_spec
+
+__all__ = ["build_model", "free_port", "initialize", "transformer_config"]
+
+
+def transformer_config(
+    args: RunArgs, world_size: int = 1, on_gpu: Optional[bool] = None
+) -> MEATransformerConfig:
+    """Translate the run's arguments into an `MEATransformerConfig` (validates the variant).
+
+    Args:
+        args: the run's arguments.
+        world_size: the number of processes.
+        on_gpu: pick the fusions for a CUDA run (see `megatron_mea.fusions`). Default: whether
+            CUDA is available; tests pass True to build a GPU run's exact configuration on CPU.
+    """
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
+    architecture = config_fields(args)
+    fields = dict(
+        **architecture,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # Megatron-LM's defaults: the interleaved schedule overlaps its p2p transfers (which
+        # also lets two pipeline ranks exchange several tensors per step); the others batch them.
+        overlap_p2p_comm=args.virtual_pipeline_model_parallel_size is not None,
+        batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        bf16=args.bf16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        fp8=args.fp8_format,
+        fp8_recipe=args.fp8_recipe,
+        **fusion_settings(on_gpu, architecture["normalization"]),
+    )
+    return MEATransformerConfig(**fields)
+
+
+def build_model(
+    args: RunArgs, config: MEATransformerConfig, pre_process, post_process, vp_stage=None
+):
+    """The GPT model of this pipeline stage (of its model chunk `vp_stage` with virtual pipeline
+    stages), with the plugin's block spec."""
+    use_te = args.transformer_impl == "transformer_engine"
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=use_te, vp_stage=vp_stage, core_attention=args.core_attention
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        **gpt_model_kwargs(args),
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+        if args.bf16:
+            from megatron.core.transformer.module import Float16Module
+
+            model = Float16Module(config, model)
+    return model
+
+
+def initialize(args: RunArgs) -> None:
+    """Process group (NCCL on GPUs, gloo on CPU), Megatron's parallel state and seeds.
+
+    Without CUDA, call it inside `megatron_mea.cpu.megatron_on_cpu()` (the CLIs do).
+    """
+    on_gpu = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:  # a plain `python -m`: a world of one
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        if on_gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if on_gpu else "gloo")
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+    )
+    # Same seed on every rank: replicated parameters start identical (Megatron-LM offsets the
+    # seed by pipeline stage only).
+    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    if on_gpu:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        torch.manual_seed(seed)
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        init_cpu_rng_tracker(seed)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that is free right now (for a world of one)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
