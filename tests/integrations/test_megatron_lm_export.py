@@ -12,7 +12,6 @@ and its expert bias (the KHA recipe's router) at TP=1. Megatron's logits are the
 into Megatron-Core's GPTModel at the TP it was saved at (``load_model``), on the run's world.
 """
 
-import os
 import subprocess
 import sys
 
@@ -23,7 +22,7 @@ from megatron_mea.checkpoint import export_hf_checkpoint, import_hf_checkpoint
 from tests._dist import run_distributed, standalone_environment
 from megatron_mea.checkpoint.megatron_lm_io import read_common_state
 from tests.integrations.megatron_lm_cpu import (
-    KHA, MEA_VARIANT, MOE, REPO, TINY, logged_arg, train)
+    KHA, MEA_VARIANT, MOE, TINY, logged_arg, train)
 
 ATOL = 1e-4
 VOCAB = 256  # NullTokenizer --vocab-size 255 plus its EOD id
