@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found (needed for MCORE=$(MCORE))" >&2; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install --quiet torch==$(TORCH_VERSION)
-	$(PIP) install --quiet "megatron-core==$(MCORE)" -e ".[dev,hf,eval,megatron-lm]"
+	$(PIP) install --quiet "megatron-core==$(MCORE)" -e ".[dev,tools,hf,eval,megatron-lm]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,9 +1,13 @@
-"""The one door for optional CUDA-only dependencies (Transformer Engine, NVIDIA Apex).
+"""The one door for optional dependencies: the CUDA-only ones (Transformer Engine, NVIDIA Apex)
+and the applications' pip extras.
 
-Probing uses `find_spec`, so importing megatron_mea never imports them. A feature that needs one
-calls `require(...)` at construction time and gets an `ImportError` naming the pip extra.
+Probing uses `find_spec`, so importing megatron_mea never imports them. A feature that needs a
+CUDA-only one calls `require(...)` at construction time; an application that needs a package of
+an extra imports it with `import_extra(...)`. Either way a missing one is an `ImportError`
+naming what to install.
 """
 
+import importlib
 from importlib.util import find_spec
 
 HAVE_TE = find_spec("transformer_engine") is not None
@@ -37,3 +41,32 @@ def require(dependency: str, feature: str) -> None:
     if not present:
         name, how = _EXTRAS[dependency]
         raise ImportError(f"{feature} needs {name}, which is not installed: {how}")
+
+
+# The packages of the applications' extras (pyproject.toml): the library needs none of them.
+# `tools`: what the command-line tools add (progress bars, TensorBoard, plots, GPU telemetry).
+EXTRA_OF = {
+    "tqdm": "tools",
+    "torch.utils.tensorboard": "tools",
+    "matplotlib": "tools",
+    "matplotlib.pyplot": "tools",
+    "transformers": "hf",
+    "safetensors": "hf",
+    "lm_eval": "eval",
+}
+
+
+def import_extra(module: str, feature: str):
+    """Import `module` (a package of an extra, `EXTRA_OF`) for `feature`.
+
+    Raises:
+        ImportError: naming the feature, the package and the extra that installs it.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        extra = EXTRA_OF[module]
+        raise ImportError(
+            f"{feature} needs {module.split('.')[0]} (the `{extra}` extra): "
+            f"pip install 'megatron_mea[{extra}]'"
+        ) from exc

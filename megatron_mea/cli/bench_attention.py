@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 
+from megatron_mea._optional import import_extra
 from megatron_mea.bench.collectives import count_bytes, free_port
 from megatron_mea.bench.steps import VARIANTS, LayerStep, ModelStep, layer_flops
 from megatron_mea.cpu import megatron_on_cpu
@@ -89,8 +90,7 @@ def time_interleaved(steps: dict, args, repeats: int, cpu_times: dict = None) ->
 
     `cpu_times`, if given, receives this process's CPU seconds per round and variant (on a
     loaded CPU machine, time spent descheduled counts in wall time but not here)."""
-    from tqdm import tqdm
-
+    tqdm = import_extra("tqdm", "the benchmark's progress bar").tqdm
     order = list(steps)
     rng = random.Random(args.seed)
     times = {name: [] for name in steps}

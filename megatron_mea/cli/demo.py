@@ -21,6 +21,8 @@ import time
 
 import yaml
 
+from megatron_mea._optional import import_extra
+
 # A CPU-sized MoE GPT: 4 layers (2 MoE), 8 query heads / 4 KV groups, 4 experts top-2.
 DEMO_CONFIG = {
     "num_layers": 4,
@@ -136,10 +138,8 @@ def summarize(results: dict) -> str:
 
 def plot(results: dict, path: str) -> None:
     """Training loss (smoothed) and validation loss per variant, one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import_extra("matplotlib", "the demo's plot").use("Agg")
+    plt = import_extra("matplotlib.pyplot", "the demo's plot")
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, result in results.items():

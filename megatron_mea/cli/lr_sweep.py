@@ -28,6 +28,7 @@ from functools import partial
 
 import yaml
 
+from megatron_mea._optional import import_extra
 from megatron_mea.cli.demo import DEMO_CONFIG, prepare_data
 from megatron_mea.training.sweep import (
     VARIANTS,
@@ -213,8 +214,7 @@ def collect(settings: SweepSettings, rule: StabilityRule) -> tuple:
 
 def train_all(settings: SweepSettings, config_path: str, rule: StabilityRule) -> None:
     """Train (or skip, or resume) every run of the grid, with a line per run and a step bar."""
-    from tqdm import tqdm
-
+    tqdm = import_extra("tqdm", "the sweep's progress bar").tqdm
     grid = settings.grid()
     iters = settings.train_iters
     finished = [read_result(run_dir(settings.out, v, lr)) is not None for v, lr in grid]

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import struct
+from importlib.util import find_spec
 from typing import Optional
 
 import numpy
@@ -137,7 +138,7 @@ def _largest_id(prefix: str) -> int:
         code = struct.unpack("<QBQQ", handle.read(_HEADER_BYTES)[9:])[1]
     tokens = numpy.memmap(prefix + ".bin", dtype=DType.dtype_from_code(code), mode="r")
     chunks = range(0, len(tokens), _SCAN_CHUNK)
-    if tokens.nbytes >= 1 << 30:
+    if tokens.nbytes >= 1 << 30 and find_spec("tqdm") is not None:  # a nicety: no tqdm, no bar
         from tqdm import tqdm
 
         chunks = tqdm(chunks, desc=f"checking token ids of {os.path.basename(prefix)}.bin",

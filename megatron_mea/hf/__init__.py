@@ -11,7 +11,11 @@ Exports also carry these two files with an `auto_map`, so `trust_remote_code=Tru
 without installing megatron_mea.
 """
 
-from transformers import AutoConfig, AutoModelForCausalLM
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM
+except ImportError as exc:
+    raise ImportError("megatron_mea.hf (the Hugging Face models and conversions) needs "
+                      "transformers (the `hf` extra): pip install 'megatron_mea[hf]'") from exc
 
 from megatron_mea.hf.configuration_megatron_mea import CONFIGS
 from megatron_mea.hf.modeling_megatron_mea import MODELS, VariantAttention

@@ -19,6 +19,7 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
+from megatron_mea._optional import import_extra
 from megatron_mea.checkpoint.checks import (
     ModelMismatchError,
     data_settings,
@@ -331,8 +332,7 @@ class Trainer:
         tokens_per_step = args.global_batch_size * args.seq_length
         progress = None
         if self.rank == 0 and not args.no_progress_bar:
-            from tqdm import tqdm
-
+            tqdm = import_extra("tqdm", "the progress bar (--no-progress-bar turns it off)").tqdm
             progress = tqdm(total=args.train_iters, initial=self.iteration, unit="step",
                             dynamic_ncols=True, desc=args.attention_variant)
         metrics_path = os.path.join(args.save, "metrics.jsonl") if args.save else None

@@ -4,6 +4,8 @@ import logging
 
 import torch
 
+from megatron_mea._optional import import_extra
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,9 +47,8 @@ class TensorBoard:
     def __init__(self, directory):
         self._writer = None
         if directory:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=directory)
+            tensorboard = import_extra("torch.utils.tensorboard", "--tensorboard-dir")
+            self._writer = tensorboard.SummaryWriter(log_dir=directory)
 
     def add(self, scalars: dict, step: int) -> None:
         """Write every scalar of `scalars` at `step`."""

@@ -32,6 +32,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from megatron_mea._optional import import_extra
+
 # Flags of `mea-pretrain` per variant; every other setting is shared by all runs of a sweep.
 # The MEA paper's LR study compares the baseline, +norm, +HLC and HLC + norm (MEA); KHA follows.
 VARIANTS = {
@@ -278,15 +280,18 @@ def to_json(summaries: Sequence[RunSummary], rule: StabilityRule) -> dict:
     }
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (the sweep's plots)."""
+    import_extra("matplotlib", "the sweep's plots").use("Agg")
+    return import_extra("matplotlib.pyplot", "the sweep's plots")
+
+
 def plot_loss_curves(
     curves: Dict[tuple, Sequence[dict]], summaries: Sequence[RunSummary], path: str, window: int
 ) -> None:
     """One subplot per LR: smoothed training loss vs step for every variant; an `x` marks the
     step at which a run was judged diverged. `curves` maps (variant, lr) to the run's records."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     lrs = sorted({lr for _, lr in curves})
     variants = list(dict.fromkeys(v for v, _ in curves))
@@ -327,10 +332,7 @@ def plot_loss_curves(
 def plot_final_loss(summaries: Sequence[RunSummary], path: str) -> None:
     """Final loss vs peak LR (log x) per variant; diverged runs as `x` at their last smoothed
     loss, or at the top of the axis when they have none."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     finite = [s.final_loss for s in summaries if math.isfinite(s.final_loss)]
     top = max(finite) * 1.05 if finite else 1.0

