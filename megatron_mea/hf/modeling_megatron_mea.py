@@ -177,7 +177,9 @@ def _component_attention(query, keys, values, num_scales, key_mix, value_mix, sc
 
 
 class VariantAttention(nn.Module):
-    """Self-attention with MEA or KHA, a drop-in for the family's attention module."""
+    """Self-attention with MEA or KHA (or standard, in a native export that needs the native
+    model for something else: Megatron's router, no QK norm), a drop-in for the family's
+    attention module."""
 
     def __init__(self, config, layer_idx, qkv_bias=False, qk_norm=False):
         super().__init__()
@@ -213,8 +215,8 @@ class VariantAttention(nn.Module):
         elif variant == "kha":
             kha = variant_setting(config, "kha_variant")
             self.knock = Knock(kha, variant_setting(config, "kha_targets"), hn)
-        else:
-            raise ValueError(f"attention_variant ({variant!r}) must be 'mea' or 'kha'")
+        elif variant != "standard":  # standard: a native export for its router or its norms
+            raise ValueError(f"attention_variant ({variant!r}) must be 'standard', 'mea' or 'kha'")
         # Virtual heads cache their components (nc/ng of the memory); nc == ng, the composites.
         self.caches_components = components < groups
 

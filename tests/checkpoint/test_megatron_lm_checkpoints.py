@@ -54,6 +54,17 @@ FORMS = {
     "mixed_softmax_stock": (
         1, MOE + ["--moe-layer-freq", "[0,1]"], "Qwen3MoeForCausalLM",
     ),
+    # The KHA recipe's baseline: standard attention with the sigmoid router and expert bias.
+    "baseline_sigmoid_expert_bias": (
+        1, MOE + ["--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                  "--moe-router-load-balancing-type", "none"],
+        "MegatronMEAQwen3MoeForCausalLM",
+    ),
+    # No QK norm: Mixtral cannot hold dense layers, so the native Qwen3-MoE without q/k norms.
+    "mixed_no_qk_norm": (
+        1, [flag for flag in MOE if flag != "--qk-layernorm"] + ["--moe-layer-freq", "[1,0]"],
+        "MegatronMEAQwen3MoeForCausalLM",
+    ),
     "mea_mixed_pre_softmax_tp2": (
         2, MOE + TP2 + ["--moe-layer-freq", "[0,1]", "--moe-router-pre-softmax",
                         "--attention-variant", "mea", "--mea-num-kv-components", "2"],
