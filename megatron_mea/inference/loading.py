@@ -1,10 +1,9 @@
 """Load a `mea-pretrain` checkpoint for inference at any tensor-parallel size.
 
 A run directory holds `config.yaml` (the run's arguments), `latest_checkpointed_iteration.txt`
-and `iter_XXXXXXX/` torch_dist checkpoints (see `megatron_mea.training.checkpointing`, which writes them); a
+and `iter_XXXXXXX/` torch_dist checkpoints (written by `megatron_mea.training.checkpointing`); a
 Megatron-LM run directory has no `config.yaml`, its model is described by the arguments saved in
-the checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). The model is
-rebuilt from the saved arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1;
+the checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). The model is rebuilt from the saved arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1;
 no sequence parallelism; more vocabulary padding where TP needs it) and its weights are read
 through `dist_checkpointing`, which reshards them from whatever layout they were saved at. What
 the model cannot take at that TP is refused with a ValueError before any process group exists.

@@ -15,10 +15,10 @@ keys, so a checkpoint resumes at any other TP / PP / VPP / EP / DP layout (`load
 only the distributed optimizer's default `dp_reshardable` format is tied to its model-parallel
 layout (refused with a message).
 
-The checks that refuse a checkpoint before loading are the library's `megatron_mea.checkpoint.checks`
-(re-exported here:
-`CheckpointError`, `TRACKER`, `checkpoint_dir`, `latest_iteration`, `verify_checkpoint`), the
-restoring of optimizer and scheduler state in `optimizer_state`.
+The checks that refuse a checkpoint before loading are the library's
+`megatron_mea.checkpoint.checks` (re-exported here: `CheckpointError`, `TRACKER`,
+`checkpoint_dir`, `latest_iteration`, `verify_checkpoint`), the restoring of optimizer and
+scheduler state in `optimizer_state`.
 """
 
 import logging
