@@ -10,7 +10,6 @@ Vocabulary: the embedding and output rows are padded to a multiple of
 `vocab_size` in `config.yaml`; export strips the padding rows again.
 """
 
-import dataclasses
 import inspect
 import math
 from typing import Dict, List, Optional, Tuple
@@ -41,13 +40,18 @@ def non_stock_router(config) -> Optional[Tuple[str, object]]:
     return router_outside_stock(config)
 
 
-def mixtral_cannot_say(config) -> Optional[str]:
-    """Why Mixtral (an MoE block in every layer, softmax over the top-k logits) cannot express
-    the MoE model of `config` (an `MEATransformerConfig`): the setting and its value, or None."""
+def _moe_pattern(config) -> List[int]:
+    """Per layer, 1 for an MoE layer (`moe_layer_freq` as an int "1 in N" or a 0/1 list)."""
     pattern = config.moe_layer_freq
     if isinstance(pattern, int):
         pattern = [int(i % pattern == 0) for i in range(config.num_layers)]
-    if not all(pattern):
+    return pattern
+
+
+def mixtral_cannot_say(config) -> Optional[str]:
+    """Why Mixtral (an MoE block in every layer, softmax over the top-k logits) cannot express
+    the MoE model of `config` (an `MEATransformerConfig`): the setting and its value, or None."""
+    if not all(_moe_pattern(config)):
         return f"moe_layer_freq ({config.moe_layer_freq})"
     if config.moe_router_pre_softmax:
         return "moe_router_pre_softmax (True)"
@@ -303,11 +307,10 @@ def description_from_hf(
 
 def _family_for(description: ModelDescription) -> Family:
     """The family of a model trained from scratch (no HF config to follow)."""
-    args = description.args
-    if description.transformer_config(meta=True).add_qkv_bias:
+    args, config = description.args, description.transformer_config(meta=True)
+    if config.add_qkv_bias:
         return FAMILIES["qwen2"]
     if args.num_experts:
-        config = description.transformer_config(meta=True)
         native_qwen3_moe = args.qk_layernorm or needs_native_qwen3_moe(config)
         return FAMILIES["qwen3_moe" if native_qwen3_moe else "mixtral"]
     return FAMILIES["qwen3" if args.qk_layernorm else "llama"]
@@ -368,9 +371,7 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
     template.pop("rope_scaling", None)
     template["rope_parameters"] = rope_parameters(args, theta)
     if fam.moe is not None:
-        pattern = config.moe_layer_freq
-        if isinstance(pattern, int):
-            pattern = [int(i % pattern == 0) for i in range(config.num_layers)]
+        pattern = _moe_pattern(config)
         template.update(num_experts_per_tok=config.moe_router_topk)
         if fam.name == "qwen3_moe":
             template.update(
