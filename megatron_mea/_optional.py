@@ -43,6 +43,14 @@ def require(dependency: str, feature: str) -> None:
         raise ImportError(f"{feature} needs {name}, which is not installed: {how}")
 
 
+def transformer_engine_class(name: str):
+    """`transformer_engine.pytorch.<name>` (a class, for `isinstance` checks), or None without
+    Transformer Engine. Imports it only when installed: by then Megatron-Core has imported it."""
+    if not HAVE_TE:
+        return None
+    return getattr(importlib.import_module("transformer_engine.pytorch"), name)
+
+
 # The packages of the applications' extras (pyproject.toml): the library needs none of them.
 # `tools`: what the command-line tools add (progress bars, TensorBoard, plots, GPU telemetry).
 EXTRA_OF = {

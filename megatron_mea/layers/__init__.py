@@ -8,7 +8,7 @@ from megatron_mea.layers.fold_cache import (
     with_fold_flush,
 )
 from megatron_mea.layers.head_mix import HeadMix
-from megatron_mea.layers.head_norm import HeadNormedProjection, HeadRMSNorm
+from megatron_mea.layers.head_norm import HeadNormedInput, HeadRMSNorm, head_normed
 from megatron_mea.layers.knock import KnockingHeads
 from megatron_mea.layers.kv_cache import MEAKVCache
 from megatron_mea.layers.mea_attention import MEASelfAttention
@@ -16,7 +16,7 @@ from megatron_mea.layers.mea_attention import MEASelfAttention
 __all__ = [
     "FoldCache",
     "HeadMix",
-    "HeadNormedProjection",
+    "HeadNormedInput",
     "HeadRMSNorm",
     "KHASelfAttention",
     "KnockingHeads",
@@ -24,5 +24,6 @@ __all__ = [
     "MEASelfAttention",
     "enable_fold_cache",
     "flush_fold_caches",
+    "head_normed",
     "with_fold_flush",
 ]

@@ -9,12 +9,20 @@ Shape legend: `s` sequence (full, also under SP: `linear_qkv` gathers it), `b` b
 local query heads, `nc_loc` / `ng_loc` local component / composite K/V heads, `hn` head dim.
 """
 
+import dataclasses
+
 import torch
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from megatron_mea.layers.knock import KnockingHeads
 from megatron_mea.ops.qkv_layout import unfuse_qkv
+
+
+def _built_by_split_attention(**megatron_kwargs):
+    """The core attention Megatron's `Attention.__init__` builds: none, `_SplitSelfAttention`
+    builds it after."""
+    return None
 
 
 class _SplitSelfAttention(SelfAttention):
@@ -50,13 +58,16 @@ class _SplitSelfAttention(SelfAttention):
             config, submodules, layer_number, attn_mask_type, cp_comm_type, pg_collection:
                 as Megatron's `SelfAttention`.
             projection_config: the config Megatron's `__init__` builds `linear_qkv` (and the
-                other submodules) from; `self.config` is `config` afterwards. Default: `config`.
+                other submodules but the core attention) from; `self.config` is `config`
+                afterwards. Default: `config`.
             megatron_kwargs: what newer Megatron-Core layers also pass (`name`,
                 `pp_layer_offset`).
         """
+        # Megatron's __init__ would build the core attention from the projection's config (MEA:
+        # nc groups); it is built once below, from `config`, instead.
         super().__init__(
             config if projection_config is None else projection_config,
-            submodules,
+            dataclasses.replace(submodules, core_attention=_built_by_split_attention),
             layer_number,
             attn_mask_type,
             cp_comm_type,
@@ -65,6 +76,15 @@ class _SplitSelfAttention(SelfAttention):
         )
         self.config = config
         self.cp_comm_type = cp_comm_type  # Megatron keeps it only inside the core attention
+        self.core_attention = submodules.core_attention(
+            config=config,
+            layer_number=self.layer_number,
+            attn_mask_type=self.attn_mask_type,
+            attention_type=self.attention_type,
+            cp_comm_type=cp_comm_type,
+            softmax_scale=config.softmax_scale,
+            pg_collection=self.pg_collection,
+        )
 
     def _enable_folded_projection(self):
         self.folds_projection = True

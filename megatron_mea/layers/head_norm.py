@@ -1,5 +1,7 @@
 """MEA head-level group norm: RMSNorm of each query head's attention output, sharded by heads,
-and its composition with the output projection."""
+and the output projection that runs it (`head_normed`)."""
+
+import functools
 
 import torch
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -59,31 +61,29 @@ class HeadRMSNorm(MegatronModule):
         )
 
 
-class HeadNormedProjection(torch.nn.Module):
-    """MEA's `linear_proj` step: the head norm, then the output projection.
+class HeadNormedInput:
+    """The part of MEA's output projection that runs the head norm: `linear_proj(x) =
+    projection(head_norm(x))`.
 
     Megatron's `Attention.forward` calls `self.linear_proj(core_attn_out)` on every path (static,
-    dynamic, checkpointed, packed); `MEASelfAttention.linear_proj` returns this composition there.
-    It holds plain references, not submodules: the attention registers both modules itself, so
-    the state dict keeps `head_norm.weight` and `linear_proj.*`.
-
-    Args:
-        head_norm: a `HeadRMSNorm`.
-        projection: the attention's `linear_proj` (a row-parallel linear).
+    dynamic, checkpointed, packed), so MEA with the head norm builds `linear_proj` from
+    `head_normed(<the spec's row-parallel linear>)`: the same module, parameters and state-dict
+    keys (`linear_proj.weight`, TE's extra state), whose forward norms its input first. The
+    norm is the attention's own submodule (`head_norm.weight` in the checkpoint, sharded by
+    heads); `use_head_norm` gives the projection a plain reference to it, so that no parameter is
+    registered twice.
     """
 
-    def __init__(self, head_norm: HeadRMSNorm, projection: torch.nn.Module):
-        super().__init__()
-        object.__setattr__(self, "head_norm", head_norm)
-        object.__setattr__(self, "projection", projection)
+    def use_head_norm(self, head_norm: HeadRMSNorm) -> None:
+        object.__setattr__(self, "head_norm", head_norm)  # a reference, not a submodule
 
-    def forward(self, core_attn_out: torch.Tensor):
+    def forward(self, core_attn_out: torch.Tensor, *args, **kwargs):
         """`[s, b, np_loc*hn]` -> the projection's `(output [s, b, h], bias)`."""
-        return self.projection(self.head_norm(core_attn_out))
+        return super().forward(self.head_norm(core_attn_out), *args, **kwargs)
 
-    def __getattr__(self, name):
-        # Everything else is the projection's (`backward_dw`, `_set_residual`, `weight`...).
-        projection = self.__dict__.get("projection")
-        if projection is None:  # mid-construction or mid-unpickling
-            raise AttributeError(name)
-        return getattr(projection, name)
+
+@functools.cache
+def head_normed(linear_class: type) -> type:
+    """`linear_class` (Megatron's or TE's row-parallel linear) with `HeadNormedInput` first."""
+    name = f"HeadNormed{linear_class.__name__}"
+    return type(name, (HeadNormedInput, linear_class), {"__module__": __name__})

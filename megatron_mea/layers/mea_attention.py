@@ -6,25 +6,49 @@ local query heads, `nc_loc` / `ng_loc` local component / composite K/V heads, `h
 """
 
 import copy
+import dataclasses
 import logging
 
-import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
 )
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.utils import deprecate_inference_params, divide, get_pg_rank
 
 from megatron_mea.layers.attention import _SplitSelfAttention
 from megatron_mea.layers.head_mix import HeadMix
-from megatron_mea.layers.head_norm import HeadNormedProjection, HeadRMSNorm
-from megatron_mea.layers.kv_cache import COMPONENTS, COMPOSITES, MEAKVCache, attend, rms_key_norm
+from megatron_mea.layers.head_norm import HeadRMSNorm, head_normed
+from megatron_mea.layers.kv_cache import (
+    CacheKind,
+    DecodeStep,
+    MEAKVCache,
+    QuerySideMix,
+    attend,
+    rms_factors,
+)
 from megatron_mea.ops.decode import decode_mask, inverse_rms
 from megatron_mea.ops.qkv_layout import unfuse_qkv
 from megatron_mea.parallel import ExchangeShape, choose_exchange, gather_features
 
 logger = logging.getLogger(__name__)
+
+
+def _with_head_normed_projection(submodules):
+    """`submodules` whose `linear_proj` (a class or a `ModuleSpec` of one) runs the head norm
+    first (`head_norm.head_normed`)."""
+    projection = submodules.linear_proj
+    if isinstance(projection, ModuleSpec):
+        projection = dataclasses.replace(projection, module=head_normed(projection.module))
+    elif isinstance(projection, type):
+        projection = head_normed(projection)
+    else:
+        raise ValueError(
+            f"mea_head_norm=True needs linear_proj given as a class or a ModuleSpec, got "
+            f"{projection!r}"
+        )
+    return dataclasses.replace(submodules, linear_proj=projection)
 
 
 def component_view(config, num_components):
@@ -60,11 +84,11 @@ class MEASelfAttention(_SplitSelfAttention):
     | RoPE       | Megatron's forward        | `_rope`                 | `_rope`, new tokens only |
     | cache      | none                      | `_cache_entries`        | `_cache_entries`         |
     | attention  | `core_attention`          | `core_attention`        | `kv_cache.attend`        |
-    | head norm  | `linear_proj` (property)  | same                    | same                     |
+    | head norm  | `linear_proj` (`HeadNormedInput`) | same            | same                     |
 
-    The cache (`kv_cache.py`) holds the RoPE'd components and one inverse RMS per composite key
-    (`components`, when `nc < ng`) or the composites (`composites`, when `nc == ng` or the k
-    norm is not RMS-type). Megatron's dynamic (paged) context is not supported (see
+    The cache (`kv_cache.py`, one `CacheKind`) holds the RoPE'd components (with one inverse RMS
+    per composite key under an RMS k norm) when `nc < ng`, or the composites (when `nc == ng` or
+    the k norm is not RMS-type). Megatron's dynamic (paged) context is not supported (see
     docs/inference-decode.md).
 
     TP exchange of training forwards (`mea_tp_exchange`, docs/tensor-parallel.md):
@@ -81,6 +105,8 @@ class MEASelfAttention(_SplitSelfAttention):
         # Megatron sizes linear_qkv from num_query_groups: its submodules are built from the
         # component view; `self.config` is the real one for everything downstream of HLC.
         self.num_components = config.kv_components(layer_number)
+        if config.mea_head_norm:
+            submodules = _with_head_normed_projection(submodules)
         super().__init__(
             config,
             submodules,
@@ -97,17 +123,6 @@ class MEASelfAttention(_SplitSelfAttention):
                 config.num_attention_heads, self.world_size
             )
             self.num_query_groups_per_partition = self.num_components
-        if self.num_components != config.num_query_groups:
-            # The core attention sees ng composite groups (no parameters, so nothing is lost).
-            self.core_attention = submodules.core_attention(
-                config=config,
-                layer_number=self.layer_number,
-                attn_mask_type=self.attn_mask_type,
-                attention_type=self.attention_type,
-                cp_comm_type=self.cp_comm_type,
-                softmax_scale=config.softmax_scale,
-                pg_collection=self.pg_collection,
-            )
         # mea_hlc=False (the head-norm-only control, nc == ng): no composition, so nothing to
         # fold either; the `activations` path then skips the mixing (`mix_heads`).
         self.head_mix = None
@@ -126,28 +141,14 @@ class MEASelfAttention(_SplitSelfAttention):
         )
         if self.exchange != "activations":
             self._enable_folded_projection()
-        self.head_norm = HeadRMSNorm(config, self.tp_group) if config.mea_head_norm else None
-        # Plain attribute (not a submodule): `linear_proj` below hands it to Megatron's forward.
-        normed = HeadNormedProjection(self.head_norm, self._modules["linear_proj"])
-        self.__dict__["_normed_projection"] = normed if self.head_norm is not None else None
+        self.head_norm = None
+        if config.mea_head_norm:
+            self.head_norm = HeadRMSNorm(config, self.tp_group)
+            self.linear_proj.use_head_norm(self.head_norm)
+        self.has_key_norm = not isinstance(self.k_layernorm, (IdentityOp, type(None)))
+        self.key_norm_factors = rms_factors(self.k_layernorm) if self.has_key_norm else None
         self.cache_kind = self._choose_cache_kind()
         self._warned = False
-        # Components under an RMS k norm cache 1/rms of every composite key beside them.
-        self.caches_key_scales = self.cache_kind == COMPONENTS and not isinstance(
-            self.k_layernorm, (IdentityOp, type(None))
-        )
-
-    @property
-    def linear_proj(self):
-        """The step after the core attention, as Megatron's forward calls it: the head norm,
-        then the registered `linear_proj` module (`HeadNormedProjection`); without the head
-        norm, the module itself."""
-        normed = self.__dict__.get("_normed_projection")
-        if normed is not None:
-            return normed
-        if "linear_proj" not in self._modules:  # before Megatron's __init__ builds it
-            raise AttributeError("linear_proj")
-        return self._modules["linear_proj"]
 
     # ---- training and cache-free forwards (Megatron's forward calls these) -------------------
 
@@ -217,11 +218,15 @@ class MEASelfAttention(_SplitSelfAttention):
 
     # ---- inference -----------------------------------------------------------------------
 
-    def _choose_cache_kind(self) -> str:
+    def _choose_cache_kind(self) -> CacheKind:
         if self.num_components == self.config.num_query_groups:
-            return COMPOSITES  # components would save nothing and cost more per step
+            return CacheKind.COMPOSITES  # components would save nothing and cost more per step
+        if not self.has_key_norm:
+            return CacheKind.COMPONENTS
         # A norm with a mean or a bias (LayerNorm) does not factor out of the mix.
-        return COMPOSITES if rms_key_norm(self.k_layernorm) is None else COMPONENTS
+        if self.key_norm_factors is None:
+            return CacheKind.COMPOSITES
+        return CacheKind.SCALED_COMPONENTS
 
     def _warn_composite_cache(self):
         if self.num_components < self.config.num_query_groups and not self._warned:
@@ -239,38 +244,37 @@ class MEASelfAttention(_SplitSelfAttention):
         attention_mask,
         key_value_states=None,
         inference_context=None,
-        rotary_pos_emb=None,
-        rotary_pos_cos=None,
-        rotary_pos_sin=None,
-        rotary_pos_cos_sin=None,
-        attention_bias=None,
-        packed_seq_params=None,
-        sequence_len_offset=None,
-        *,
+        *args,
         inference_params=None,
         **megatron_kwargs,
     ):
         """Without an inference context, Megatron's forward (training, evaluation); with a
-        static one, `_forward_with_cache` (prefill and decode). Returns `(output, bias)`."""
+        static one, `_forward_with_cache` (prefill and decode). Returns `(output, bias)`.
+
+        Arguments as Megatron's `Attention.forward`; Megatron's layers pass all but the first
+        two by keyword (`rotary_pos_emb`, `packed_seq_params`, ...)."""
         context = deprecate_inference_params(inference_context, inference_params)
         if context is None:
             return super().forward(
-                hidden_states, attention_mask, key_value_states=key_value_states,
-                rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=rotary_pos_cos,
-                rotary_pos_sin=rotary_pos_sin, rotary_pos_cos_sin=rotary_pos_cos_sin,
-                attention_bias=attention_bias, packed_seq_params=packed_seq_params,
-                sequence_len_offset=sequence_len_offset, **megatron_kwargs,
+                hidden_states, attention_mask, key_value_states, None, *args, **megatron_kwargs
             )
         if not context.is_static_batching():
             raise NotImplementedError(
                 "MEA with Megatron's dynamic (paged) inference context is not supported yet "
                 "(docs/inference-decode.md); use the static context"
             )
-        if key_value_states is not None or packed_seq_params is not None:
-            raise ValueError("MEA inference takes self-attention over unpacked sequences")
-        if attention_bias is not None:
-            raise ValueError("MEA inference does not take an attention_bias")
-        return self._forward_with_cache(hidden_states, attention_mask, context, rotary_pos_emb)
+        if args:
+            raise ValueError("MEA inference takes Megatron's attention arguments by keyword")
+        unsupported = ("packed_seq_params", "attention_bias")
+        if key_value_states is not None or any(megatron_kwargs.get(k) is not None
+                                               for k in unsupported):
+            raise ValueError(
+                "MEA inference takes self-attention over unpacked sequences, without "
+                "key_value_states, packed_seq_params or attention_bias"
+            )
+        return self._forward_with_cache(
+            hidden_states, attention_mask, context, megatron_kwargs.get("rotary_pos_emb")
+        )
 
     def _rope(self, x, freqs):
         if freqs is None:
@@ -292,16 +296,25 @@ class MEASelfAttention(_SplitSelfAttention):
     def _cache_entries(self, key, value, composite_key, composite_value, key_freqs):
         """What the cache stores for the new tokens: keys, values `[s, b, n, hn]` and the key
         scales `[s, b, ng_loc]` (or None)."""
-        if self.cache_kind == COMPOSITES:
+        if self.cache_kind is CacheKind.COMPOSITES:
             return self._rope(self._norm_key(composite_key), key_freqs), composite_value, None
-        if not self.caches_key_scales:
+        if self.cache_kind is CacheKind.COMPONENTS:
             return self._rope(key, key_freqs), value, None
-        scale, eps = rms_key_norm(self.k_layernorm)
-        eps = torch.finfo(key.dtype).eps if eps is None else eps
-        key_scales = inverse_rms(composite_key, eps)
-        if scale is not None:
-            key = key * scale.to(key.dtype)  # elementwise, shared by all heads: commutes with HLC
+        factors = self.key_norm_factors
+        key_scales = inverse_rms(composite_key, factors.eps_for(key.dtype))
+        if factors.scale is not None:
+            # Elementwise, shared by all heads: commutes with HLC.
+            key = key * factors.scale.to(key.dtype)
         return self._rope(key, key_freqs), value, key_scales
+
+    def _query_side_mix(self):
+        """HLC for `attend` over a cache of components; None over composites (always the case
+        without HLC, the +norm control: components are the composites)."""
+        if not self.cache_kind.holds_components:
+            return None
+        sharded = self.world_size > 1 and not self.components_duplicated
+        mix = self.head_mix
+        return QuerySideMix(mix.key_weight, mix.value_weight, self.tp_group, sharded)
 
     def _forward_with_cache(self, hidden_states, attention_mask, context, rotary_pos_emb):
         """Prefill (offset 0): composite attention over the prompt through `core_attention`;
@@ -319,9 +332,9 @@ class MEASelfAttention(_SplitSelfAttention):
         query, key, value = self._project_components(hidden_states)
         query = self._rope(self._norm_query(query), query_freqs)
         composite_key = composite_value = None
-        if start == 0 or self.cache_kind == COMPOSITES or self.caches_key_scales:
+        if start == 0 or self.cache_kind is not CacheKind.COMPONENTS:
             composite_key, composite_value = self.mix_heads(key, value)  # the new tokens only
-        if self.cache_kind == COMPOSITES:
+        if self.cache_kind is CacheKind.COMPOSITES:
             self._warn_composite_cache()
         entries = self._cache_entries(key, value, composite_key, composite_value, key_freqs)
         num_scales = entries[2].shape[2] if entries[2] is not None else 0
@@ -331,7 +344,7 @@ class MEASelfAttention(_SplitSelfAttention):
         )
         cache.write(start, batch, *entries)
         if start == 0:
-            if self.cache_kind == COMPOSITES:
+            if self.cache_kind is CacheKind.COMPOSITES:
                 composite_key = entries[0]  # normed and RoPE'd already
             else:
                 composite_key = self._rope(self._norm_key(composite_key), key_freqs)
@@ -344,14 +357,7 @@ class MEASelfAttention(_SplitSelfAttention):
             if mask is None:  # causal among the new tokens (Megatron's static engine may pass one)
                 mask = decode_mask(s, end, query.device)
             scale = self.config.softmax_scale or self.hidden_size_per_attention_head**-0.5
-            sharded = self.world_size > 1 and not self.components_duplicated
-            # Without HLC (the +norm control) the cache holds the composites: nothing to mix.
-            key_mix = value_mix = None
-            if self.head_mix is not None:
-                key_mix, value_mix = self.head_mix.key_weight, self.head_mix.value_weight
-            out = attend(
-                cache, end, batch, query.transpose(0, 1), key_mix, value_mix, scale, mask,
-                self.tp_group, sharded,
-            )
+            step = DecodeStep(query.transpose(0, 1), end, batch, mask, scale)
+            out = attend(cache, step, self._query_side_mix())
             core = out.transpose(0, 1).reshape(s, b, -1)
         return self.linear_proj(core)

@@ -10,6 +10,7 @@ from megatron_mea.inference import (
     generate,
     sample_next_tokens,
 )
+from megatron_mea.layers.kv_cache import CacheKind
 from tests._models import build_gpt, perturb_plugin_params, tiny_config
 from tests.inference._common import (
     NEW_TOKENS,
@@ -43,9 +44,11 @@ def test_incremental_decoding_equals_full_forward_at_every_step(single_rank, fie
 
 
 def test_virtual_heads_cache_half_the_baseline_bytes_plus_the_key_scales(single_rank):
-    sizes = {}
+    sizes, kinds = {}, {}
     for name, fields in VARIANTS:
-        out = generate(_model(fields), IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False)
+        model = _model(fields)
+        kinds[name] = {m.cache_kind for m in model.modules() if hasattr(m, "cache_kind")}
+        out = generate(model, IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False)
         sizes[name] = out.stats.kv_cache_bytes
         assert out.stats.kv_cache_bytes_total == out.stats.kv_cache_bytes
         assert sizes[name] == kv_cache_bytes_expected(name), name
@@ -55,6 +58,9 @@ def test_virtual_heads_cache_half_the_baseline_bytes_plus_the_key_scales(single_
     assert 2 * sizes["mea-half-no-qk-norm"] == sizes["baseline"]
     # With the k norm: one fp32 scalar per composite head (4) and token, beside 2 x 2 x 8 values.
     assert sizes["mea-half"] == sizes["baseline"] // 2 + 2 * 14 * 3 * 4 * 4
+    assert kinds["mea"] == {CacheKind.COMPOSITES}  # nc == ng
+    assert kinds["mea-half-no-qk-norm"] == {CacheKind.COMPONENTS}
+    assert kinds["mea-half"] == {CacheKind.SCALED_COMPONENTS}
 
 
 def _all_logits(context):
@@ -94,7 +100,8 @@ def test_key_norm_that_does_not_factor_caches_the_composites(single_rank):
     # caching the composite heads, still exact, at the baseline's size.
     fields = dict(VARIANTS[2][1], normalization="LayerNorm")
     model = _model(fields)
-    assert {m.cache_kind for m in model.modules() if hasattr(m, "cache_kind")} == {"composites"}
+    kinds = {m.cache_kind for m in model.modules() if hasattr(m, "cache_kind")}
+    assert kinds == {CacheKind.COMPOSITES}
     out = generate(model, IdTokenizer(), PROMPTS, NEW_TOKENS, stop_at_eod=False,
                    return_logits=True)
     for got, want in zip(out.logits, full_forward_logits(model, PROMPTS, out.tokens)):

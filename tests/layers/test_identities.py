@@ -124,28 +124,46 @@ def test_parameter_names_follow_the_checkpoint_format(single_rank):
     assert mea[prefix + "linear_qkv.weight"].shape == ((8 + 2 * 2) * 8, 64)
 
 
-def test_head_norm_composes_with_linear_proj_and_keeps_the_state_dict_keys(single_rank):
-    from megatron_mea.layers import HeadNormedProjection
+def test_head_norm_runs_inside_linear_proj_and_keeps_the_state_dict_keys(single_rank):
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    from megatron_mea.layers import HeadNormedInput
 
     model = build_gpt(tiny_config("mea", mea_num_kv_components=2))
     perturb_plugin_params(model)
     attention = model.decoder.layers[0].self_attention
-    projection = attention._modules["linear_proj"]
     prefix = "decoder.layers.0.self_attention."
     keys = {k[len(prefix):] for k in model.state_dict() if k.startswith(prefix)}
     assert {"linear_proj.weight", "head_norm.weight"} <= keys
-    assert not any("projection" in k.split(".")[0] for k in keys)  # registered once
-    assert [n for n, _ in attention.named_children()].count("linear_proj") == 1
-    # What Megatron's forward calls: the head norm, then the registered projection.
-    step = attention.linear_proj
-    assert isinstance(step, HeadNormedProjection) and step.weight is projection.weight
+    assert not any(k.startswith("linear_proj.head_norm") for k in keys)  # registered once
+    # Megatron's forward calls the registered linear_proj: the head norm, then the projection.
+    projection = attention.linear_proj
+    assert isinstance(projection, HeadNormedInput) and isinstance(projection, RowParallelLinear)
+    assert attention._modules["linear_proj"] is projection
     x = torch.randn(3, 2, 8 * 8)
-    out, _ = step(x)
-    expected, _ = projection(attention.head_norm(x))
-    assert torch.equal(out, expected)
-    assert not torch.allclose(out, projection(x)[0])  # the (perturbed) norm acts
+    out, _ = projection(x)
+    expected = torch.nn.functional.linear(attention.head_norm(x), projection.weight)
+    torch.testing.assert_close(out, expected)
+    assert not torch.allclose(out, torch.nn.functional.linear(x, projection.weight))
     plain = build_gpt(tiny_config("mea", mea_head_norm=False)).decoder.layers[0].self_attention
-    assert plain.linear_proj is plain._modules["linear_proj"]
+    assert type(plain.linear_proj) is RowParallelLinear and plain.head_norm is None
+
+
+def test_core_attention_is_built_once_for_the_composite_groups(single_rank, monkeypatch):
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    groups = []
+    build = DotProductAttention.__init__
+
+    def recording_init(self, config, *args, **kwargs):
+        groups.append(config.num_query_groups)
+        build(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(DotProductAttention, "__init__", recording_init)
+    model = build_gpt(tiny_config("mea", mea_num_kv_components=2))
+    assert groups == [4, 4]  # one per layer, ng = 4 (the projection is sized for nc = 2)
+    attention = model.decoder.layers[0].self_attention
+    assert attention.core_attention.config.num_query_groups == 4
 
 
 def test_kha_random_init_draws_every_matrix_from_n_0_1_over_hn(single_rank):
