@@ -17,7 +17,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import init_cpu_rng_tracker
 from megatron_mea.fusions import fusion_settings
-from megatron_mea.model_args import RunArgs, config_fields, gpt_model_kwargs
+from megatron_mea.model_args import RunArgs, config_fields, gpt_model_kwargs, parallel_sizes
 from megatron_mea.specs import get_gpt_decoder_block_spec
 
 __all__ = ["build_model", "free_port", "initialize", "transformer_config"]
@@ -38,16 +38,11 @@ def transformer_config(
     architecture = config_fields(args)
     fields = dict(
         **architecture,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        **parallel_sizes(args),
         # Megatron-LM's defaults: the interleaved schedule overlaps its p2p transfers (which
         # also lets two pipeline ranks exchange several tensors per step); the others batch them.
         overlap_p2p_comm=args.virtual_pipeline_model_parallel_size is not None,
         batch_p2p_comm=args.virtual_pipeline_model_parallel_size is None,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-        context_parallel_size=args.context_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
@@ -99,14 +94,7 @@ def initialize(args: RunArgs) -> None:
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if on_gpu else "gloo")
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
-    )
+    parallel_state.initialize_model_parallel(**parallel_sizes(args))
     # Same seed on every rank: replicated parameters start identical (Megatron-LM offsets the
     # seed by pipeline stage only).
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()

@@ -180,6 +180,16 @@ class RunArgs(ModelArgs):
 
 
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(RunArgs))
+# The parallel layout's sizes, under the names Megatron-Core's `initialize_model_parallel` and
+# `TransformerConfig` both take.
+PARALLEL_SIZES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "context_parallel_size",
+)
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelArgs))
 # The model fields beyond the attention variant's (which `megatron_mea.variant` declares).
 ARCHITECTURE_FIELDS = tuple(
@@ -201,6 +211,28 @@ def declared(name: str) -> dataclasses.Field:
     return {f.name: f for f in dataclasses.fields(ModelArgs)}[name]
 
 
+def parallel_sizes(run: RunArgs) -> dict:
+    """The run's `PARALLEL_SIZES`, by name."""
+    return {name: getattr(run, name) for name in PARALLEL_SIZES}
+
+
+def derived_sizes(model: ModelArgs) -> dict:
+    """The sizes of `model` (any object with the `ModelArgs` fields), those left unset filled in:
+    GQA groups = heads, head dim = hidden / heads, FFN = 4 * hidden (Megatron-Core's default, also
+    with SwiGLU, where Megatron-LM's `validate_args` would round 8h/3 down to a multiple of 64: a
+    checkpoint's arguments record the size used), expert FFN = FFN (MoE only, else None),
+    positions = the sequence length. The one place these defaults live."""
+    heads = model.num_attention_heads
+    ffn = model.ffn_hidden_size or 4 * model.hidden_size
+    return dict(
+        num_query_groups=model.num_query_groups or heads,
+        kv_channels=model.kv_channels or model.hidden_size // heads,
+        ffn_hidden_size=ffn,
+        moe_ffn_hidden_size=(model.moe_ffn_hidden_size or ffn) if model.num_experts else None,
+        max_position_embeddings=model.max_position_embeddings or model.seq_length,
+    )
+
+
 def config_fields(model: ModelArgs) -> dict:
     """The `MEATransformerConfig` fields of the architecture of `model` (any object with the
     `ModelArgs` fields): the one translation, parallel layout and fusions excluded."""
@@ -213,9 +245,9 @@ def config_fields(model: ModelArgs) -> dict:
         target = f.metadata.get("config")
         if target and target != _DERIVED and not f.name.startswith("moe_"):
             fields[target] = getattr(model, f.name)
-    ffn = model.ffn_hidden_size or 4 * model.hidden_size
+    sizes = derived_sizes(model)
     fields.update(
-        ffn_hidden_size=ffn,
+        ffn_hidden_size=sizes["ffn_hidden_size"],
         gated_linear_unit=model.swiglu,
         activation_func=F.silu if model.swiglu else F.gelu,
         **variant_settings(model),
@@ -225,7 +257,7 @@ def config_fields(model: ModelArgs) -> dict:
             target = declared(name).metadata["config"]
             if target != _DERIVED:
                 fields[target] = getattr(model, name)
-        fields["moe_ffn_hidden_size"] = model.moe_ffn_hidden_size or ffn
+        fields["moe_ffn_hidden_size"] = sizes["moe_ffn_hidden_size"]
     else:
         fields["num_moe_experts"] = None
     return fields
@@ -235,7 +267,7 @@ def gpt_model_kwargs(model: ModelArgs) -> dict:
     """`GPTModel` arguments besides the config and the spec: vocabulary, positions, RoPE."""
     return dict(
         vocab_size=model.padded_vocab_size,
-        max_sequence_length=model.max_position_embeddings or model.seq_length,
+        max_sequence_length=derived_sizes(model)["max_position_embeddings"],
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type=model.position_embedding_type,
         rotary_base=model.rotary_base,

@@ -29,7 +29,7 @@ import dataclasses
 import typing
 from typing import Union
 
-from megatron_mea.model_args import ModelArgs
+from megatron_mea.model_args import ModelArgs, derived_sizes
 from megatron_mea.variant import KHA_MATRICES
 
 
@@ -41,12 +41,12 @@ class ModelShape(ModelArgs):
     def __post_init__(self):
         if self.vocab_size is None:
             raise ValueError("ModelShape: vocab_size is required (the padded vocabulary)")
-        self.num_query_groups = self.num_query_groups or self.num_attention_heads
-        self.kv_channels = self.kv_channels or self.hidden_size // self.num_attention_heads
-        if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = 4 * self.hidden_size
-        if self.num_experts and self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
+        sizes = derived_sizes(self)
+        self.num_query_groups = sizes["num_query_groups"]
+        self.kv_channels = sizes["kv_channels"]
+        self.ffn_hidden_size = sizes["ffn_hidden_size"]
+        if self.num_experts:
+            self.moe_ffn_hidden_size = sizes["moe_ffn_hidden_size"]
         self.resolve_variant_defaults(self.num_query_groups, moe=bool(self.num_experts))
 
     @classmethod

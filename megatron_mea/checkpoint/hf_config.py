@@ -20,7 +20,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron_mea.checkpoint.hf_families import FAMILIES, Family, family
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
 from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS, router_outside_stock
-from megatron_mea.model_args import RUN_FIELDS, RunArgs
+from megatron_mea.model_args import RUN_FIELDS, RunArgs, derived_sizes
 from megatron_mea.variant import fields_of_scope
 
 NATIVE_PREFIX = "megatron_mea_"
@@ -363,7 +363,7 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
         num_key_value_heads=config.num_query_groups,
         head_dim=config.kv_channels,
         rms_norm_eps=config.layernorm_epsilon,
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        max_position_embeddings=derived_sizes(args)["max_position_embeddings"],
         tie_word_embeddings=not args.untie_embeddings_and_output_weights,
         hidden_act="silu",
     )

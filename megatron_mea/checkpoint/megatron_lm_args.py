@@ -4,14 +4,25 @@ Megatron-LM's `pretrain_gpt.py` reads a checkpoint's common state for its saved 
 `argparse.Namespace`: `load_args_from_checkpoint` with `--use-checkpoint-args`, and
 `load_checkpoint`'s checks, data position and what to load) and its `checkpoint_version`.
 `mea-pretrain` and `mea-convert import-hf` write both, so Megatron-LM continues from their
-checkpoints; `megatron_lm_io` reads them back (`description_from_megatron_lm`).
+checkpoints; `megatron_lm_io` reads them back (`run_args_from_megatron_lm`).
 
 Light at import (argparse and the model declaration only): the trainer imports it.
 """
 
 import argparse
 
-from megatron_mea.model_args import MODEL_FIELDS
+from megatron_mea.model_args import MODEL_FIELDS, derived_sizes
+
+# What `RunArgs` says of the run under Megatron-LM's own names (the layout Megatron-LM checks
+# with `--use-checkpoint-args`, the precision, the padded vocabulary).
+_SAME_NAMED = (
+    "padded_vocab_size",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "bf16",
+)
 
 # What Megatron-LM's `load_checkpoint` reads of a checkpoint's common state besides its saved
 # arguments: the format version (below 3.0 it reorders the q/k/v rows and compares old names).
@@ -23,7 +34,7 @@ def megatron_lm_arguments(
 ) -> argparse.Namespace:
     """The saved arguments of a checkpoint this package writes, as Megatron-LM saves them: what
     `load_args_from_checkpoint` (`--use-checkpoint-args`, with the plugin's patch for the
-    variant's fields) and `load_checkpoint` read. The inverse of `description_from_megatron_lm`.
+    variant's fields) and `load_checkpoint` read. The inverse of `run_args_from_megatron_lm`.
 
     Args:
         args: the run's `RunArgs` (a description's, or `mea-pretrain`'s `PretrainArgs`).
@@ -31,24 +42,13 @@ def megatron_lm_arguments(
             The RNG state is never Megatron-LM's (`no_save_rng`): Megatron-LM starts its own.
         consumed_samples: training samples consumed (Megatron-LM continues its data there).
     """
-    heads = args.num_attention_heads
-    ffn = args.ffn_hidden_size or 4 * args.hidden_size
     saved = {name: getattr(args, name) for name in MODEL_FIELDS}
+    # Megatron-LM's validate_args fills these in before it saves them.
+    saved.update(derived_sizes(args))
+    saved.update({name: getattr(args, name) for name in _SAME_NAMED})
     saved.update(
-        # Megatron-LM's validate_args fills these in before it saves them.
-        group_query_attention=args.num_query_groups not in (None, heads),
-        num_query_groups=args.num_query_groups or heads,
-        kv_channels=args.kv_channels or args.hidden_size // heads,
-        ffn_hidden_size=ffn,
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        moe_ffn_hidden_size=(args.moe_ffn_hidden_size or ffn) if args.num_experts else None,
+        group_query_attention=args.num_query_groups not in (None, args.num_attention_heads),
         disable_bias_linear=not args.add_bias_linear,
-        padded_vocab_size=args.padded_vocab_size,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        bf16=args.bf16,
         ckpt_format="torch_dist",
         no_save_optim=not optimizer_saved,
         no_save_rng=True,

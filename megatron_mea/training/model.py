@@ -17,6 +17,18 @@ logger = logging.getLogger(__name__)
 # Parameters of the variants that are full matrices (identity-initialised); see docs/decisions.md,
 # "Parametrisation and weight decay".
 PLUGIN_MATRICES = ("*.head_mix.*", "*.knock.*")
+# `PretrainArgs` fields that `OptimizerConfig` takes under the same name.
+OPTIMIZER_FIELDS = (
+    "lr",
+    "min_lr",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_eps",
+    "clip_grad",
+    "bf16",
+    "use_distributed_optimizer",
+)
 
 
 def wrap_ddp(args: PretrainArgs, config, model, disable_bucketing=False) -> DistributedDataParallel:
@@ -35,16 +47,8 @@ def build_optimizer(args: PretrainArgs, model_chunks):
     plugin matrices optionally exempt from decay."""
     opt_config = OptimizerConfig(
         optimizer="adam",
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
         params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        **{name: getattr(args, name) for name in OPTIMIZER_FIELDS},
     )
     overrides = get_standard_config_overrides(opt_config)
     if args.no_decay_plugin_matrices:
