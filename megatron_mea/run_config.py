@@ -14,6 +14,7 @@ from typing import List, Literal, Tuple
 
 import yaml
 
+from megatron_mea.files import atomic_write
 from megatron_mea.model_args import RunArgs
 
 __all__ = ["CUSTOM_TYPES", "base_type", "load_run_args", "load_yaml", "save_config"]
@@ -111,14 +112,12 @@ def save_config(args, directory: str) -> str:
     """Write the resolved arguments to `<directory>/config.yaml` (atomically)."""
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "config.yaml")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        values = {
-            name: list(value) if isinstance(value, tuple) else value
-            for name, value in dataclasses.asdict(args).items()
-        }
+    values = {
+        name: list(value) if isinstance(value, tuple) else value
+        for name, value in dataclasses.asdict(args).items()
+    }
+    with atomic_write(path) as handle:
         yaml.safe_dump(values, handle, sort_keys=False)
-    os.replace(tmp, path)
     return path
 
 

@@ -4,7 +4,7 @@ import os
 import platform
 import subprocess
 import sys
-from typing import List, Optional
+from typing import Optional
 
 # Dense bf16 peak of the GPUs this is likely to meet, in TFLOP/s (NVIDIA data sheets, SXM parts
 # unless named); the first name contained in torch's device name wins. `--peak-tflops` overrides.

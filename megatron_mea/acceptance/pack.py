@@ -11,6 +11,8 @@ import shutil
 import tarfile
 from typing import List
 
+from megatron_mea.files import publish
+
 KEPT = ("summary.txt", "acceptance.json", "console.log")
 ARCHIVE = "report.tar.gz"
 
@@ -38,6 +40,6 @@ def pack_report(report_dir: str, out: str) -> List[str]:
         with tarfile.open(partial, "w:gz") as archive:
             for name in rest:
                 archive.add(os.path.join(report_dir, name), arcname=name)
-        os.replace(partial, os.path.join(out, ARCHIVE))
+        publish(partial, os.path.join(out, ARCHIVE))
         written.append(ARCHIVE)
     return written

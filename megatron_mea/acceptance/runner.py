@@ -5,7 +5,6 @@ Every step but the first runs in subprocesses of its own, under the run's time b
 output teed to a log under the output folder; `acceptance.json` is rewritten after each step.
 """
 
-import dataclasses
 import datetime
 import json
 import logging
@@ -28,6 +27,7 @@ from megatron_mea.acceptance.report import (
     summary,
     why,
 )
+from megatron_mea.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -131,7 +131,8 @@ class Runner:
         # CPU seconds of this process and of every step's subprocess: on a loaded machine the
         # wall time says little, this says what an idle one would need (divided by its cores).
         self.result["cpu_seconds"] = self._cpu()
-        with open(os.path.join(self.out, "acceptance.json"), "w", encoding="utf-8") as handle:
+        # All or nothing: the run may be stopped at its time limit while writing.
+        with atomic_write(os.path.join(self.out, "acceptance.json")) as handle:
             json.dump(self.result, handle, indent=1, default=str)
 
     def environment(self) -> dict:

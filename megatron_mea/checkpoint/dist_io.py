@@ -68,6 +68,7 @@ from megatron_mea.checkpoint.megatron_io import (
 )
 from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_arguments
 from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
+from megatron_mea.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -139,9 +140,8 @@ def _merge_parts(directory: str, parts: list) -> None:
             else:
                 merged.state_dict_metadata[key] = meta
         shutil.rmtree(part)
-    with open(index_path + ".tmp", "wb") as handle:
+    with atomic_write(index_path, "wb") as handle:
         pickle.dump(merged, handle)
-    os.replace(index_path + ".tmp", index_path)
 
 
 def write_checkpoint(

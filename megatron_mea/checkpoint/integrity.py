@@ -21,6 +21,7 @@ import zlib
 from typing import Dict, Iterable, Optional
 
 from megatron_mea.checkpoint.safe_pickle import check_pickle, check_torch_save, load_pickle
+from megatron_mea.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,9 @@ def checksum_files(directory: str, names: Iterable[str]) -> Dict[str, dict]:
 
 def write_checksums(directory: str, entries: Dict[str, dict]) -> None:
     """Write `directory/checksums.json` (atomically) from `checksum_files` results."""
-    path = os.path.join(directory, CHECKSUMS)
-    with open(path + ".tmp", "w", encoding="ascii") as handle:
+    with atomic_write(os.path.join(directory, CHECKSUMS), encoding="ascii") as handle:
         json.dump({"algorithm": "crc32", "files": dict(sorted(entries.items()))}, handle,
                   indent=0)
-    os.replace(path + ".tmp", path)
 
 
 def read_checksums(directory: str) -> Optional[Dict[str, dict]]:

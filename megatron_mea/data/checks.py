@@ -18,6 +18,8 @@ from typing import Optional
 import numpy
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
+from megatron_mea.files import atomic_write
+
 SPLIT_NAMES = ("train", "valid", "test")
 _HEADER_BYTES = 34  # magic (9), version (8), dtype code (1), sequence and document counts (8 + 8)
 
@@ -120,10 +122,8 @@ def check_token_ids(prefix: str, vocab_size: int, cache_dir: Optional[str] = Non
         if cache:
             os.makedirs(cache_dir, exist_ok=True)
             known[key] = largest
-            staged = f"{cache}.{os.getpid()}.tmp"  # every rank may write it: one name each
-            with open(staged, "w", encoding="utf-8") as handle:
+            with atomic_write(cache) as handle:  # every rank may: one temporary file each
                 json.dump(known, handle)
-            os.replace(staged, cache)
     if largest >= vocab_size:
         raise DatasetError(
             f"{prefix}.bin holds token id {largest}, the model's vocabulary has {vocab_size} "

@@ -21,6 +21,8 @@ import logging
 import os
 import sysconfig
 
+from megatron_mea.files import atomic_write
+
 logger = logging.getLogger(__name__)
 
 SYSTEM_DOC_DIR = "/usr/share/doc"
@@ -128,7 +130,7 @@ def build_stdlib_corpus(
 ) -> tuple[int, int]:
     """Write the standard-library corpus as JSON lines: {"text": ..., "source": ...} per document.
 
-    The file is written under a temporary name and renamed at the end.
+    The file is written all or nothing (`megatron_mea.files.atomic_write`).
 
     Args:
         output_jsonl: path of the JSON-lines file to write; its directory is created.
@@ -139,25 +141,18 @@ def build_stdlib_corpus(
     Returns:
         (documents written, UTF-8 bytes of text written).
     """
-    out_dir = os.path.dirname(os.path.abspath(output_jsonl))
-    os.makedirs(out_dir, exist_ok=True)
-    tmp_path = os.path.join(out_dir, f".{os.path.basename(output_jsonl)}.tmp-{os.getpid()}")
+    os.makedirs(os.path.dirname(os.path.abspath(output_jsonl)), exist_ok=True)
     documents = num_bytes = 0
-    try:
-        with open(tmp_path, "w", encoding="utf-8") as out:
-            for source, text in iter_stdlib_corpus():
-                if max_documents is not None and documents >= max_documents:
-                    break
-                size = len(text.encode("utf-8"))
-                if max_bytes is not None and num_bytes + size > max_bytes:
-                    break
-                # ensure_ascii keeps each line plain ASCII, so any reader decodes it the same way.
-                out.write(json.dumps({"text": text, "source": source}) + "\n")
-                documents += 1
-                num_bytes += size
-        os.replace(tmp_path, output_jsonl)
-    finally:
-        if os.path.exists(tmp_path):
-            os.remove(tmp_path)
+    with atomic_write(output_jsonl) as out:
+        for source, text in iter_stdlib_corpus():
+            if max_documents is not None and documents >= max_documents:
+                break
+            size = len(text.encode("utf-8"))
+            if max_bytes is not None and num_bytes + size > max_bytes:
+                break
+            # ensure_ascii keeps each line plain ASCII, so any reader decodes it the same way.
+            out.write(json.dumps({"text": text, "source": source}) + "\n")
+            documents += 1
+            num_bytes += size
     logger.info("wrote %d documents (%d bytes of text) to %s", documents, num_bytes, output_jsonl)
     return documents, num_bytes

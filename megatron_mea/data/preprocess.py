@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+from megatron_mea.files import publish
+
 try:
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -140,8 +142,8 @@ def _publish(tmp_prefix: str, output_prefix: str) -> None:
     # which IndexedDataset refuses, instead of a new .bin paired with a stale .idx.
     if os.path.exists(output_prefix + ".idx"):
         os.remove(output_prefix + ".idx")
-    os.replace(tmp_prefix + ".bin", output_prefix + ".bin")
-    os.replace(tmp_prefix + ".idx", output_prefix + ".idx")
+    publish(tmp_prefix + ".bin", output_prefix + ".bin")
+    publish(tmp_prefix + ".idx", output_prefix + ".idx")
 
 
 def _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance) -> None:

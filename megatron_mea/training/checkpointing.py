@@ -43,6 +43,7 @@ from megatron_mea.checkpoint.checks import (
     verify_checkpoint,
 )
 from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION
+from megatron_mea.files import atomic_write
 from megatron_mea.training import optimizer_state
 
 __all__ = [
@@ -263,10 +264,8 @@ def save_checkpoint(
             shutil.rmtree(old)
         else:
             os.rename(tmp, final)
-        pointer = os.path.join(root, TRACKER)
-        with open(pointer + ".tmp", "w", encoding="utf-8") as handle:
+        with atomic_write(os.path.join(root, TRACKER)) as handle:
             handle.write(str(iteration))
-        os.replace(pointer + ".tmp", pointer)
     dist.barrier()
     logger.info("saved checkpoint %s", final)
 

@@ -30,6 +30,7 @@ from typing import Callable, Dict, List, Optional
 
 import yaml
 
+from megatron_mea.files import atomic_write
 from megatron_mea.training.checkpointing import latest_iteration
 from megatron_mea.training.sweep import VARIANTS
 
@@ -188,10 +189,8 @@ def _differences(saved: dict, current: dict) -> List[str]:
 
 
 def _write_json(path: str, data) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
+    with atomic_write(path) as handle:
         json.dump(data, handle, indent=1)
-    os.replace(tmp, path)
 
 
 def read_metrics(directory: str) -> List[dict]:
@@ -226,10 +225,8 @@ def resume_point(directory: str) -> int:
     start = (latest_iteration(directory) or 0) if os.path.isdir(directory) else 0
     kept = [r for r in read_metrics(directory) if r["iteration"] <= start]
     if os.path.isdir(directory):
-        tmp = os.path.join(directory, METRICS + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as handle:
+        with atomic_write(os.path.join(directory, METRICS)) as handle:
             handle.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(tmp, os.path.join(directory, METRICS))
     return start
 
 

@@ -78,7 +78,7 @@ def _install(sabotage, checkpointing, loop):
         rename(src, dst)
 
     def replace_or_die(src, dst):
-        pointer = str(src).endswith("latest_checkpointed_iteration.txt.tmp")
+        pointer = str(dst).endswith("latest_checkpointed_iteration.txt")
         if pointer and open(src).read() == str(when):
             kill()
         replace(src, dst)
