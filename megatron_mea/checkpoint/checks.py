@@ -40,6 +40,10 @@ class ModelMismatchError(CheckpointError):
     """The checkpoint's model tensors are not this model's (other names or shapes)."""
 
 
+class ConversionError(ValueError):
+    """A checkpoint or model that cannot be converted as asked; the message names the tensor."""
+
+
 def checkpoint_dir(root: str, iteration: int) -> str:
     """Directory of the checkpoint of `iteration` under `root`."""
     return os.path.join(root, f"iter_{iteration:07d}")

@@ -33,11 +33,14 @@ from megatron.core.models.gpt import GPTModel
 from torch.overrides import TorchFunctionMode
 
 from megatron_mea.checkpoint.checks import (
+    ConversionError,
     TRACKER,
     checkpoint_dir,
     latest_iteration,
     verify_checkpoint,
 )
+from megatron_mea.checkpoint.megatron_lm_io import common_state_types, megatron_lm_run_args
+from megatron_mea.files import atomic_write
 from megatron_mea.gpt import free_port, transformer_config
 from megatron_mea.model_args import MODEL_FIELDS, RunArgs, gpt_model_kwargs
 from megatron_mea.run_config import load_run_args, save_config
@@ -48,10 +51,6 @@ logger = logging.getLogger(__name__)
 CONVERSION_FILE = "conversion.json"
 MODEL_ONLY_LAYOUT = {"model_only": True}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-class ConversionError(ValueError):
-    """A checkpoint or model that cannot be converted as asked; the message names the tensor."""
 
 
 # Every parallel dimension but TP at size 1 (the converters' layout and inference's).
@@ -105,10 +104,8 @@ class ModelDescription:
         """Write `config.yaml` and `conversion.json` under `root`."""
         save_config(self.args, root)
         payload = {"hf_config": self.hf_config, "source": self.source}
-        tmp = os.path.join(root, CONVERSION_FILE + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as handle:
+        with atomic_write(os.path.join(root, CONVERSION_FILE)) as handle:
             json.dump(payload, handle, indent=2, sort_keys=True)
-        os.replace(tmp, os.path.join(root, CONVERSION_FILE))
 
     @classmethod
     def load(cls, root: str) -> "ModelDescription":
@@ -117,9 +114,14 @@ class ModelDescription:
         checkpoint (`megatron_mea.checkpoint.megatron_lm_io`)."""
         path = os.path.join(root, "config.yaml")
         if not os.path.exists(path):
-            from megatron_mea.checkpoint.megatron_lm_io import describe_megatron_lm_checkpoint
-
-            return describe_megatron_lm_checkpoint(root)
+            description = cls(megatron_lm_run_args(root))
+            try:
+                description.transformer_config(meta=True)  # validates the model and variant
+            except AssertionError as exc:  # Megatron-Core's own checks
+                raise ConversionError(
+                    f"{root}: the saved arguments do not describe a model ({exc})"
+                ) from exc
+            return description
         args = load_run_args(path)
         payload = {}
         extra = os.path.join(root, CONVERSION_FILE)
@@ -237,8 +239,6 @@ def load_model_weights(model, root: str, iteration: Optional[int] = None) -> Non
     """Load the model tensors of a checkpoint into `model` (any TP / PP / EP; all ranks call)."""
     directory = resolve_checkpoint(root, iteration)
     verify_checkpoint(directory, model)
-    from megatron_mea.checkpoint.megatron_lm_io import common_state_types
-
     with common_state_types():  # a Megatron-LM checkpoint's common state holds its arguments
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, directory)
     model.load_state_dict(loaded["model"])

@@ -1,5 +1,6 @@
-"""Checkpoints written by Megatron-LM's `pretrain_gpt.py`: the model description from the run's
-saved arguments.
+"""Checkpoints written by Megatron-LM's `pretrain_gpt.py`: the model and run of the arguments
+it saved (`RunArgs`, which `megatron_io.ModelDescription.load` makes a description of), and the
+types its common state may hold.
 
 Megatron-LM's `save_checkpoint` (`--ckpt-format torch_dist`, tags core_v0.16.1 and core_v0.19.0)
 writes, per `generate_state_dict`::
@@ -28,9 +29,7 @@ import argparse
 import io
 import logging
 import os
-import pathlib
 import re
-import types
 from typing import Dict
 
 import torch
@@ -38,9 +37,16 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megatron_mea.checkpoint.checks import TRACKER, checkpoint_dir, latest_iteration
-from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
-from megatron_mea.checkpoint.safe_pickle import MEGATRON_LM_ARGUMENT_CLASSES
+from megatron_mea.checkpoint.checks import (
+    TRACKER,
+    ConversionError,
+    checkpoint_dir,
+    latest_iteration,
+)
+from megatron_mea.checkpoint.safe_pickle import (
+    MEGATRON_LM_ARGUMENT_CLASSES,
+    MEGATRON_LM_ARGUMENT_CONTAINERS,
+)
 from megatron_mea.model_args import MODEL_FIELDS, RunArgs
 
 logger = logging.getLogger(__name__)
@@ -72,7 +78,7 @@ def _stand_in(qualified_name: str):
 # Types Megatron-LM's saved arguments and common state hold (declared with the scan's allow-list
 # in `safe_pickle`): data containers as themselves, Megatron's classes as inert stand-ins (so a
 # class renamed or missing in the installed release still reads).
-ALLOWED_TYPES = [argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath, io.BytesIO] + [
+ALLOWED_TYPES = list(MEGATRON_LM_ARGUMENT_CONTAINERS) + [
     (_stand_in(name), name) for name in MEGATRON_LM_ARGUMENT_CLASSES
 ]
 
@@ -158,9 +164,9 @@ _REFUSED = (
 )
 
 
-def description_from_megatron_lm(args: argparse.Namespace, where: str) -> ModelDescription:
-    """The description of the model of Megatron-LM's saved arguments `args` (`where`: the
-    checkpoint, for messages).
+def run_args_from_megatron_lm(args: argparse.Namespace, where: str) -> RunArgs:
+    """The model (and what the checkpoint records of the run) of Megatron-LM's saved arguments
+    `args` (`where`: the checkpoint, for messages).
 
     Raises:
         ConversionError: an argument the description cannot say (named, with its value).
@@ -212,22 +218,21 @@ def description_from_megatron_lm(args: argparse.Namespace, where: str) -> ModelD
         logger.warning("%s: tokenizer_type %s is not a Hugging Face tokenizer: none is recorded "
                        "(the export carries no tokenizer files)", where, args.tokenizer_type)
     try:
-        description = ModelDescription(RunArgs(**fields, **run))
-        if padded is not None and description.args.padded_vocab_size != padded:
-            raise ConversionError(
-                f"{where}: padded_vocab_size ({padded}) is not vocab_size "
-                f"({fields['vocab_size']}) padded to make_vocab_size_divisible_by x "
-                f"tensor_model_parallel_size ({fields['make_vocab_size_divisible_by']})"
-            )
-        description.transformer_config(meta=True)  # validates the architecture and the variant
-    except (TypeError, AssertionError) as exc:
+        run_args = RunArgs(**fields, **run)
+    except TypeError as exc:
         raise ConversionError(f"{where}: the saved arguments do not describe a model ({exc})")
-    return description
+    if padded is not None and run_args.padded_vocab_size != padded:
+        raise ConversionError(
+            f"{where}: padded_vocab_size ({padded}) is not vocab_size "
+            f"({fields['vocab_size']}) padded to make_vocab_size_divisible_by x "
+            f"tensor_model_parallel_size ({fields['make_vocab_size_divisible_by']})"
+        )
+    return run_args
 
 
-def describe_megatron_lm_checkpoint(root: str) -> ModelDescription:
-    """The description of the Megatron-LM checkpoint directory `root` (its latest iteration's
-    saved arguments).
+def megatron_lm_run_args(root: str) -> RunArgs:
+    """The run arguments of the Megatron-LM checkpoint directory `root` (its latest iteration's
+    saved arguments); `megatron_io.ModelDescription.load` makes them a description.
 
     Raises:
         ConversionError: not a checkpoint directory, no saved arguments, or arguments the
@@ -246,4 +251,4 @@ def describe_megatron_lm_checkpoint(root: str) -> ModelDescription:
         raise ConversionError(
             f"{directory}: the common state has no saved arguments (Megatron-LM's 'args')"
         )
-    return description_from_megatron_lm(args, directory)
+    return run_args_from_megatron_lm(args, directory)

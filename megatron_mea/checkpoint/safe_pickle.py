@@ -13,14 +13,17 @@ stand-in, so nothing from the file runs, not even the admitted constructors. `lo
 returns the real objects, built from admitted globals only.
 """
 
+import argparse
 import io
+import pathlib
 import pickle
+import types
 import zipfile
 from typing import BinaryIO, FrozenSet, Tuple, Union
 
 __all__ = [
-    "ALLOWED", "MEGATRON_LM_ARGUMENT_CLASSES", "UnsafePickleError", "check_pickle",
-    "check_torch_save", "load_pickle",
+    "ALLOWED", "MEGATRON_LM_ARGUMENT_CLASSES", "MEGATRON_LM_ARGUMENT_CONTAINERS",
+    "UnsafePickleError", "check_pickle", "check_torch_save", "load_pickle",
 ]
 
 
@@ -30,6 +33,10 @@ class UnsafePickleError(ValueError):
 
 _DCP = "torch.distributed.checkpoint"
 _NUMPY_CORE = ("numpy.core.multiarray", "numpy._core.multiarray")
+
+# The containers Megatron-LM's saved arguments and common state hold, read as themselves.
+MEGATRON_LM_ARGUMENT_CONTAINERS = (argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath,
+                                   io.BytesIO)
 
 # Classes of Megatron-Core (and the standard library) that Megatron-LM's saved arguments and
 # common state hold, at core_v0.16.1 and core_v0.19.0 (Megatron-Core's own
@@ -92,10 +99,9 @@ ALLOWED: FrozenSet[Tuple[str, str]] = frozenset(
         ("builtins", "frozenset"),
         ("builtins", "slice"),
         ("_codecs", "encode"),
-        # Megatron-LM's common state also holds its argparse arguments
-        ("argparse", "Namespace"),
-        ("types", "SimpleNamespace"),
-        ("io", "BytesIO"),
+        # Megatron-LM's common state also holds its argparse arguments (pickle names a class by
+        # its __module__: `_io` for BytesIO)
+        *[(cls.__module__, cls.__qualname__) for cls in MEGATRON_LM_ARGUMENT_CONTAINERS],
         *[tuple(qualified.rsplit(".", 1)) for qualified in MEGATRON_LM_ARGUMENT_CLASSES],
         # NumPy arrays (numpy.random.get_state in the RNG state)
         *[(module, "_reconstruct") for module in _NUMPY_CORE],

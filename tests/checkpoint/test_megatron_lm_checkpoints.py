@@ -24,7 +24,7 @@ from megatron_mea.checkpoint.dist_io import read_checkpoint
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
 from megatron_mea.checkpoint.megatron_lm_io import (
     common_state_types,
-    description_from_megatron_lm,
+    run_args_from_megatron_lm,
     read_common_state,
     safe_load,
 )
@@ -200,7 +200,7 @@ def test_what_cannot_be_described_is_refused_by_name(flag, value, name):
     args, _ = megatron_lm_args(BASE + NULL_TOKENIZER + MOE, 1, installed_tag())
     setattr(args, flag, value)
     with pytest.raises(ConversionError, match=rf"{name} \({value!r}\) cannot be converted"):
-        description_from_megatron_lm(args, "ckpt")
+        run_args_from_megatron_lm(args, "ckpt")
 
 
 def test_mea_generate_decodes_a_megatron_lm_checkpoint_as_its_export(tmp_path, single_rank):

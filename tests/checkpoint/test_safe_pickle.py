@@ -64,6 +64,21 @@ def test_what_checkpoints_hold_is_admitted():
     check_torch_save(buffer.getvalue(), "state")
 
 
+def test_megatron_lm_argument_containers_are_admitted_as_pickle_names_them():
+    # Pickle names a class by its __module__ (`_io.BytesIO`, not `io.BytesIO`).
+    import argparse
+    import pathlib
+    import types
+
+    args = argparse.Namespace(save=pathlib.PosixPath("/ckpt"), extra=types.SimpleNamespace(a=1),
+                              buffer=io.BytesIO(b"x"))
+    buffer = io.BytesIO()
+    torch.save({"args": args}, buffer)
+    check_torch_save(buffer.getvalue(), "common.pt")
+    loaded = load_pickle(pickle.dumps(args), "args")
+    assert loaded.save == args.save and loaded.buffer.getvalue() == b"x"
+
+
 def test_a_torch_dist_index_loads_as_torch_reads_it(tmp_path):
     directory = str(tmp_path / "dcp")
     dcp_save({"w": torch.arange(6.0).view(2, 3), "b": torch.ones(2, dtype=torch.bfloat16),
