@@ -6,7 +6,6 @@ value (tensors, numbers, dicts/lists of them) comes back per rank through `torch
 """
 
 import os
-import socket
 import tempfile
 import traceback
 
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_mea.cpu import megatron_on_cpu
+from megatron_mea.gpt import free_port
 
 
 # The variables a process group reads at start-up. In-process tests set them (a world of one);
@@ -26,13 +26,6 @@ def standalone_environment(**extra) -> dict:
     """This process's environment without `RENDEZVOUS`, plus `extra`: for a subprocess that
     starts a world of its own."""
     return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _entry(rank, world_size, port, out_dir, fn, args):

@@ -2,7 +2,7 @@
 
 import warnings
 
-from megatron_mea.cli._quiet import quiet_warnings
+from megatron_mea.quiet import quiet_warnings
 
 
 def test_the_tools_drop_torchs_sharded_tensor_notice_and_keep_others():

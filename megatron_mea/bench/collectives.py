@@ -7,11 +7,11 @@ own calls with `megatron_mea.parallel.comm_counter.CollectiveCounter`.
 import argparse
 import json
 import os
-import socket
 
 from megatron_mea.bench.steps import LayerStep
-from megatron_mea.cli._quiet import quiet_warnings  # the workers are part of the CLI's run
 from megatron_mea.cpu import megatron_on_cpu
+from megatron_mea.gpt import free_port
+from megatron_mea.quiet import quiet_warnings  # the workers are part of the CLI's run
 
 
 def expected_extra_bytes(args, variant, layer, tp: int) -> int:
@@ -78,13 +78,6 @@ def count_bytes_worker(rank, world_size, port, args, out_dir):
         with open(os.path.join(out_dir, "bytes.json"), "w", encoding="utf-8") as handle:
             json.dump(results, handle)
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def count_bytes(args, tp: int) -> dict:

@@ -67,7 +67,7 @@ def main(argv=None):
     parser.add_argument("out")
     parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES])
     args = parser.parse_args(argv)
-    from megatron_mea.cli._quiet import quiet_warnings
+    from megatron_mea.quiet import quiet_warnings
     from megatron_mea.checkpoint.megatron_io import converter_process
     from megatron_mea.cpu import megatron_on_cpu
 

@@ -1,0 +1,129 @@
+"""The package's import graph: the library never imports an application, and no module imports
+one that imports it back (directly or through others).
+
+Every `import` / `from ... import` of a `megatron_mea` module counts, at module level or inside
+a function (a lazy import is still a dependency); the block under `if __name__ == "__main__":`
+does not (it runs only as a script). Edges go to the module imported, or to its package where
+the name is not a module of its own.
+"""
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "megatron_mea")
+# The applications (docs/where-to-change-what.md); the rest of the package is the library.
+APPLICATIONS = ("training", "cli", "bench", "acceptance", "evaluation")
+
+
+def _module_files():
+    modules = {}
+    for directory, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                modules[module.removesuffix(".__init__")] = path
+    return modules
+
+
+def _is_main_guard(node) -> bool:
+    test = getattr(node, "test", None)
+    return (isinstance(node, ast.If) and isinstance(test, ast.Compare)
+            and isinstance(test.left, ast.Name) and test.left.id == "__name__")
+
+
+def _imported_names(tree):
+    pending = [node for node in tree.body if not _is_main_guard(node)]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield node.module
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        pending.extend(ast.iter_child_nodes(node))
+
+
+def import_graph():
+    """{module: the package's modules it imports}."""
+    modules = _module_files()
+    graph = {}
+    for module, path in modules.items():
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        targets = set()
+        for name in _imported_names(tree):
+            if name.startswith("megatron_mea"):
+                while name not in modules:  # `from package import name`: the package
+                    name = name.rsplit(".", 1)[0]
+                if name != module:
+                    targets.add(name)
+        graph[module] = targets
+    return graph
+
+
+def is_application(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) > 1 and parts[1] in APPLICATIONS
+
+
+def cycles(graph):
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(node):
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = set()
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.add(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return import_graph()
+
+
+def test_the_graph_sees_the_package(graph):
+    # A parse that found nothing would pass every test below.
+    assert len(graph) > 100
+    assert "megatron_mea.model_args" in graph["megatron_mea.gpt"]
+    assert "megatron_mea.gpt" in graph["megatron_mea.training.loop"]
+    assert is_application("megatron_mea.evaluation") and not is_application("megatron_mea.gpt")
+
+
+def test_the_library_imports_no_application(graph):
+    upward = sorted((module, target) for module, targets in graph.items()
+                    if not is_application(module)
+                    for target in targets if is_application(target))
+    assert upward == []
+
+
+def test_no_module_imports_one_that_imports_it_back(graph):
+    assert cycles(graph) == []
+
+
+def test_a_cycle_would_be_found():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
