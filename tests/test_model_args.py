@@ -123,3 +123,24 @@ def test_every_model_field_is_a_megatron_lm_argument(tag):
     dests |= {f.name for f in plugin_fields()}
     missing = [n for n in MODEL_FIELDS if n not in dests]
     assert not missing
+
+
+def test_sizes_left_unset_are_filled_in_one_way_by_every_consumer():
+    from megatron_mea.checkpoint.megatron_lm_args import megatron_lm_arguments
+    from megatron_mea.model_args import RunArgs, derived_sizes, gpt_model_kwargs
+
+    unset = dict(NON_DEFAULTS, ffn_hidden_size=None, kv_channels=None, num_query_groups=None,
+                 moe_ffn_hidden_size=None, max_position_embeddings=None)
+    run = RunArgs(**{**unset, "moe_grouped_gemm": False})
+    sizes = derived_sizes(run)
+    assert sizes == dict(num_query_groups=4, kv_channels=16, ffn_hidden_size=256,
+                         moe_ffn_hidden_size=256, max_position_embeddings=64)
+    saved = megatron_lm_arguments(run, optimizer_saved=False, consumed_samples=0)
+    shape = ModelShape(**unset)
+    config = gpt.transformer_config(run)
+    for name, value in sizes.items():
+        assert getattr(saved, name) == value, name
+        if name != "max_position_embeddings":  # neither says positions
+            assert getattr(shape, name) == value, name
+            assert getattr(config, name) == value, name
+    assert gpt_model_kwargs(run)["max_sequence_length"] == sizes["max_position_embeddings"]

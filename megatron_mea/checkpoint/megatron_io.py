@@ -33,8 +33,8 @@ from megatron.core.models.gpt import GPTModel
 from torch.overrides import TorchFunctionMode
 
 from megatron_mea.checkpoint.checks import (
-    ConversionError,
     TRACKER,
+    ConversionError,
     checkpoint_dir,
     latest_iteration,
     verify_checkpoint,
