@@ -28,10 +28,8 @@ def _sync_directory(directory: str) -> None:
 
 def publish(finished: str, path: str) -> None:
     """Rename the completely written file `finished` over `path`, durably: its data is synced
-    before the rename and the directory after it.
-
-    For files another library writes (a dataset builder, a tar archive); content written here
-    goes through `atomic_write`."""
+    before the rename and the directory after it. `atomic_write` ends with it; files another
+    library writes (a dataset builder, a tar archive) are published with it directly."""
     with open(finished, "rb") as handle:
         os.fsync(handle.fileno())
     os.replace(finished, path)
@@ -54,10 +52,7 @@ def atomic_write(path: str, mode: str = "w", encoding: Optional[str] = "utf-8") 
     try:
         with open(staged, mode, encoding=None if mode == "wb" else encoding) as handle:
             yield handle
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(staged, path)
-        _sync_directory(os.path.dirname(os.path.abspath(path)))
+        publish(staged, path)
     finally:
         if os.path.exists(staged):
             os.remove(staged)

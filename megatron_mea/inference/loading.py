@@ -3,10 +3,11 @@
 A run directory holds `config.yaml` (the run's arguments), `latest_checkpointed_iteration.txt`
 and `iter_XXXXXXX/` torch_dist checkpoints (written by `megatron_mea.training.checkpointing`); a
 Megatron-LM run directory has no `config.yaml`, its model is described by the arguments saved in
-the checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). The model is rebuilt from the saved arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1;
-no sequence parallelism; more vocabulary padding where TP needs it) and its weights are read
-through `dist_checkpointing`, which reshards them from whatever layout they were saved at. What
-the model cannot take at that TP is refused with a ValueError before any process group exists.
+the checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). The model is rebuilt from the saved
+arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1; no sequence
+parallelism; more vocabulary padding where TP needs it) and its weights are read through
+`dist_checkpointing`, which reshards them from whatever layout they were saved at. What the
+model cannot take at that TP is refused with a ValueError before any process group exists.
 """
 
 import dataclasses

@@ -116,6 +116,8 @@ class MEASelfAttention(_SplitSelfAttention):
             **kwargs,
         )
         self.components_duplicated = self.num_components < self.world_size
+        # Decode over split components: partial scores meet in reduce-scatters (`kv_cache`).
+        self.components_sharded = self.world_size > 1 and not self.components_duplicated
         if self.components_duplicated:
             # Megatron's "fewer groups than ranks" sizes assume one group and np/nc query heads
             # per rank; here each rank keeps np/t query heads and all nc components.
@@ -312,9 +314,10 @@ class MEASelfAttention(_SplitSelfAttention):
         without HLC, the +norm control: components are the composites)."""
         if not self.cache_kind.holds_components:
             return None
-        sharded = self.world_size > 1 and not self.components_duplicated
         mix = self.head_mix
-        return QuerySideMix(mix.key_weight, mix.value_weight, self.tp_group, sharded)
+        return QuerySideMix(
+            mix.key_weight, mix.value_weight, self.tp_group, self.components_sharded
+        )
 
     def _forward_with_cache(self, hidden_states, attention_mask, context, rotary_pos_emb):
         """Prefill (offset 0): composite attention over the prompt through `core_attention`;
