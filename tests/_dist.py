@@ -1,10 +1,17 @@
 """Run a function on N real processes (gloo on CPU) and collect what each rank returns.
 
-`run_distributed(fn, world_size, *args)` spawns fresh interpreters, so every test sees a clean
+`run_distributed(fn, world_size, *args)` starts fresh rank processes, so every test sees a clean
 Megatron parallel state. `fn(rank, world_size, *args)` must be a module-level function; its return
 value (tensors, numbers, dicts/lists of them) comes back per rank through `torch.save` files.
+
+On CPU the ranks are forked from a fork server that has already imported torch and
+Megatron-Core (`PRELOAD`): a spawned interpreter spends 3-5 s on those imports per rank, which
+was most of a small multi-rank test. The server holds no parallel state and no threads, so each
+fork starts as clean as a spawned interpreter. Where CUDA exists the ranks are spawned (a CUDA
+context does not survive a fork).
 """
 
+import multiprocessing
 import os
 import tempfile
 import traceback
@@ -21,6 +28,10 @@ from megatron_mea.gpt import free_port
 # a subprocess that starts a world of its own must not inherit them (it would reuse a port).
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
+# What the fork server imports once, before it forks any rank.
+PRELOAD = ("torch", "megatron.core", "megatron_mea.cpu", "megatron_mea.gpt", "megatron_mea.specs",
+           "tests._dist")
+
 
 def standalone_environment(**extra) -> dict:
     """This process's environment without `RENDEZVOUS`, plus `extra`: for a subprocess that
@@ -28,7 +39,19 @@ def standalone_environment(**extra) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
 
 
-def _entry(rank, world_size, port, out_dir, fn, args):
+def _start_method() -> str:
+    if torch.cuda.is_available():
+        return "spawn"
+    # Idempotent; takes effect when the server first starts (the first world of the run).
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
+
+
+def _entry(rank, world_size, port, out_dir, fn, args, environment):
+    # The fork server's environment is the parent's when the server started; the test's may
+    # have changed since (monkeypatch.setenv): the rank takes the parent's of now.
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
@@ -53,10 +76,10 @@ def run_distributed(fn, world_size: int, *args):
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
             _entry,
-            args=(world_size, free_port(), out_dir, fn, args),
+            args=(world_size, free_port(), out_dir, fn, args, dict(os.environ)),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=_start_method(),
         )
         try:
             while not context.join():
