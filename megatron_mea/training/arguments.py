@@ -72,6 +72,10 @@ class PretrainArgs(RunArgs):
     exit_interval: Optional[int] = None
     """Stop (after saving) once this many iterations have run in this process; for tests and
     preemption drills."""
+    exit_signal_handler: bool = True
+    """On SIGTERM, SIGINT or SIGHUP, finish the step in flight, save a checkpoint (every rank)
+    and exit with 128 + the signal's number; a second signal exits at once (Megatron-LM's flag,
+    on by default here; --no-exit-signal-handler leaves the signals' default actions)."""
     nan_policy: Literal["skip", "stop"] = "skip"
     """On a NaN/Inf loss or grad norm: `skip` the update (data still advances) or `stop` the run,
     keeping the last good checkpoint."""

@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from functools import partial
 
@@ -32,6 +33,7 @@ from megatron_mea.gpt import build_model, initialize, transformer_config
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.run_config import save_config
 from megatron_mea.training import checkpointing, processes, run_dir
+from megatron_mea.training.signals import ExitSignalHandler
 from megatron_mea.training.arguments import PretrainArgs, dataset_prefixes
 from megatron_mea.training.batches import MicroBatches
 from megatron_mea.training.model import build_optimizer, build_scheduler, wrap_ddp
@@ -44,6 +46,20 @@ AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (non-finite loss or grad norm under the `stop` policy)."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """A signal stopped the run after the step in flight (`--exit-signal-handler`); the message
+    names the checkpoint saved.
+
+    Args:
+        signum: the signal (the CLI exits with 128 + signum, as the signal's default would).
+        message: one line.
+    """
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
 
 
 def _forward_step(data_iterator, model):
@@ -329,13 +345,25 @@ class Trainer:
         """Train to `train_iters` (or `exit_interval` more steps); returns the per-step history."""
         args = self.args
         history, started_at = [], self.iteration
-        tokens_per_step = args.global_batch_size * args.seq_length
         progress = None
         if self.rank == 0 and not args.no_progress_bar:
             tqdm = import_extra("tqdm", "the progress bar (--no-progress-bar turns it off)").tqdm
             progress = tqdm(total=args.train_iters, initial=self.iteration, unit="step",
                             dynamic_ncols=True, desc=args.attention_variant)
         metrics_path = os.path.join(args.save, "metrics.jsonl") if args.save else None
+        signals = ExitSignalHandler(dist.group.WORLD, enabled=args.exit_signal_handler)
+        try:
+            with signals:
+                self._train_loop(history, started_at, progress, metrics_path, signals)
+        finally:
+            if progress is not None:
+                progress.close()
+            self.tensorboard.close()
+        return history
+
+    def _train_loop(self, history, started_at, progress, metrics_path, signals) -> None:
+        args = self.args
+        tokens_per_step = args.global_batch_size * args.seq_length
         window_start = time.perf_counter()
         while self.iteration < args.train_iters:
             scalars = self.train_step()
@@ -353,18 +381,29 @@ class Trainer:
             history.append(record)
             if self.rank == 0:
                 self._report(record, progress, metrics_path)
+            # Every rank learns of a signal any rank got, so all save together.
+            signum = signals.agreed_signal()
             done = self.iteration >= args.train_iters
             stop = args.exit_interval and self.iteration - started_at >= args.exit_interval
             if args.save and (
-                done or stop or (args.save_interval and self.iteration % args.save_interval == 0)
+                done or stop or signum
+                or (args.save_interval and self.iteration % args.save_interval == 0)
             ):
                 self.save(args.save)
+            if signum and not done:
+                raise TrainingInterrupted(signum, self._interrupted(signum))
             if stop:
                 break
-        if progress is not None:
-            progress.close()
-        self.tensorboard.close()
-        return history
+
+    def _interrupted(self, signum: int) -> str:
+        """The line that ends a run stopped by `signum`."""
+        name = signal.Signals(signum).name
+        if not self.args.save:
+            return (f"interrupted by {name} after iteration {self.iteration}; no --save, so "
+                    "no checkpoint was written")
+        return (f"interrupted by {name} after iteration {self.iteration}: saved checkpoint "
+                f"{checkpointing.checkpoint_dir(self.args.save, self.iteration)}; resume with "
+                f"--load {self.args.save}")
 
     def save(self, root: str) -> None:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
