@@ -72,6 +72,9 @@ class PretrainArgs(RunArgs):
     exit_interval: Optional[int] = None
     """Stop (after saving) once this many iterations have run in this process; for tests and
     preemption drills."""
+    distributed_timeout_minutes: float = 10.0
+    """How long a collective waits for the other ranks before the run fails, naming the rank
+    that stopped answering (Megatron-LM's flag and default; fractions of a minute allowed)."""
     exit_signal_handler: bool = True
     """On SIGTERM, SIGINT or SIGHUP, finish the step in flight, save a checkpoint (every rank)
     and exit with 128 + the signal's number; a second signal exits at once (Megatron-LM's flag,
@@ -220,6 +223,10 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
         raise ValueError(
             "dist_ckpt_optim_fully_reshardable needs use_distributed_optimizer (the plain "
             "optimizer's checkpoint reshards at any layout already)"
+        )
+    if not args.distributed_timeout_minutes > 0:
+        raise ValueError(
+            f"distributed_timeout_minutes ({args.distributed_timeout_minutes}) must be > 0"
         )
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"save_interval ({args.save_interval}) must be >= 1")

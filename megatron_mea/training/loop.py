@@ -34,6 +34,7 @@ from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.run_config import save_config
 from megatron_mea.training import checkpointing, processes, run_dir
 from megatron_mea.training.signals import ExitSignalHandler
+from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 from megatron_mea.training.arguments import PretrainArgs, dataset_prefixes
 from megatron_mea.training.batches import MicroBatches
 from megatron_mea.training.model import build_optimizer, build_scheduler, wrap_ddp
@@ -46,6 +47,11 @@ AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (non-finite loss or grad norm under the `stop` policy)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited past `--distributed-timeout-minutes`; the message names the rank
+    that stopped answering and the last checkpoint."""
 
 
 class TrainingInterrupted(RuntimeError):
@@ -100,10 +106,14 @@ class Trainer:
     def __init__(self, args: PretrainArgs):
         require_cpu_patches("Trainer")
         self.args = args
-        initialize(args)
-        # Before anything is built: one writer per --save, no silent fresh start over a run.
-        self.save_lock, loads = _claim_run_directories(args)
+        initialize(args, timeout_minutes=args.distributed_timeout_minutes)
+        self.heartbeat, self.save_lock = None, None
+        self.last_checkpoint = None  # the newest checkpoint of this run: loaded or saved
         try:
+            if dist.get_world_size() > 1:  # names a peer that stops answering
+                self.heartbeat = Heartbeat(args.distributed_timeout_minutes).start()
+            # Before anything is built: one writer per --save, no silent fresh start over a run.
+            self.save_lock, loads = _claim_run_directories(args)
             self._set_up(args, loads)
         except BaseException:
             self.close()
@@ -160,6 +170,7 @@ class Trainer:
                 # A tensor's name or shape says little about which flag is off; the saving
                 # run's config.yaml names the setting.
                 raise explain_model_mismatch(args.load, args, exc) from None
+            self.last_checkpoint = checkpointing.checkpoint_dir(args.load, self.iteration)
         eval_runs = args.train_iters // args.eval_interval + 1
         build = partial(
             build_gpt_datasets,
@@ -200,7 +211,10 @@ class Trainer:
             save_config(args, args.save)
 
     def close(self) -> None:
-        """Release the lock on --save (the end of the run)."""
+        """Stop the heartbeat, release the lock on --save (the end of the run)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         if self.save_lock is not None:
             self.save_lock.release()
             self.save_lock = None
@@ -355,6 +369,14 @@ class Trainer:
         try:
             with signals:
                 self._train_loop(history, started_at, progress, metrics_path, signals)
+        except RuntimeError as exc:
+            if not is_timeout(exc):
+                raise
+            raise CollectiveTimeout(
+                f"rank {self.rank}, iteration {self.iteration + 1}: "
+                f"{describe_timeout(self.heartbeat, args.distributed_timeout_minutes)}; "
+                f"{self._last_checkpoint_text()}"
+            ) from None
         finally:
             if progress is not None:
                 progress.close()
@@ -405,6 +427,11 @@ class Trainer:
                 f"{checkpointing.checkpoint_dir(self.args.save, self.iteration)}; resume with "
                 f"--load {self.args.save}")
 
+    def _last_checkpoint_text(self) -> str:
+        if self.last_checkpoint is None:
+            return "no checkpoint of this run yet"
+        return f"the last checkpoint is {self.last_checkpoint}"
+
     def save(self, root: str) -> None:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
         # Megatron's writer starts helper processes: they must not outlive a killed run.
@@ -419,6 +446,7 @@ class Trainer:
                 self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
             ),
         )
+        self.last_checkpoint = checkpointing.checkpoint_dir(root, self.iteration)
 
     def _report(self, record, progress, metrics_path):
         args = self.args

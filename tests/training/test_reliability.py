@@ -538,3 +538,47 @@ def test_a_second_signal_exits_at_once():
     assert run.returncode == -signal.SIGTERM, run.stderr[-3000:]
     assert run.stdout == "first signal held\n"
     assert "second signal (SIGTERM): exiting without a checkpoint" in run.stderr
+
+
+# ---- a wedged rank: --distributed-timeout-minutes ---------------------------------------------
+
+
+def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
+    save, timeout_minutes = str(tmp_path / "ckpt"), 0.15
+    argv = [*TINY, "--train-iters", "50", "--save", save, "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--distributed-timeout-minutes", str(timeout_minutes)]
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "megatron_mea.cli.pretrain", *argv], cwd=ROOT,
+            env=standalone_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                       OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while len(_metrics(save)) < 2:
+            assert ranks[0].poll() is None, ranks[0].communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.05)
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        status = ranks[0].wait(timeout=120)
+        waited = time.monotonic() - stopped_at
+        output = ranks[0].communicate()[0]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert status == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    line = [line for line in output.splitlines() if line.startswith("mea-pretrain:")]
+    assert len(line) == 1, output[-3000:]
+    assert re.fullmatch(r"mea-pretrain: error: rank 0, iteration \d+: a collective waited 0.15 "
+                        r"min \(--distributed-timeout-minutes\) for rank 1, which stopped "
+                        r"answering \(no heartbeat\); no checkpoint of this run yet", line[0])
+    # The timeout, the heartbeat check (2.5 beats of 0.9 s) and the exit, with a margin.
+    assert waited < timeout_minutes * 60 + 8, waited
