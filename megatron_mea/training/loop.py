@@ -108,7 +108,8 @@ class Trainer:
         self.args = args
         initialize(args, timeout_minutes=args.distributed_timeout_minutes)
         self.heartbeat, self.save_lock = None, None
-        self.last_checkpoint = None  # the newest checkpoint of this run: loaded or saved
+        # The newest checkpoint of this run, loaded or saved: (directory, iteration).
+        self.last_checkpoint = None
         try:
             if dist.get_world_size() > 1:  # names a peer that stops answering
                 self.heartbeat = Heartbeat(args.distributed_timeout_minutes).start()
@@ -170,7 +171,7 @@ class Trainer:
                 # A tensor's name or shape says little about which flag is off; the saving
                 # run's config.yaml names the setting.
                 raise explain_model_mismatch(args.load, args, exc) from None
-            self.last_checkpoint = checkpointing.checkpoint_dir(args.load, self.iteration)
+            self.last_checkpoint = (args.load, self.iteration)
         eval_runs = args.train_iters // args.eval_interval + 1
         build = partial(
             build_gpt_datasets,
@@ -334,12 +335,14 @@ class Trainer:
         if args.nan_policy == "stop":
             raise TrainingStopped(
                 f"iteration {step}: non-finite lm loss ({loss}) or grad norm ({grad_norm}); "
-                f"stopped with nan_policy=stop, the last good checkpoint is kept"
+                f"stopped with nan_policy=stop; {self._last_good_checkpoint_text()}"
             )
         if self.nan_streak >= args.nan_max_consecutive_skips:
             raise TrainingStopped(
-                f"iteration {step}: {self.nan_streak} non-finite steps in a row "
-                f"(nan_max_consecutive_skips={args.nan_max_consecutive_skips}); stopped"
+                f"iteration {step}: {self.nan_streak} non-finite steps in a row (from iteration "
+                f"{step - self.nan_streak + 1}; nan_max_consecutive_skips="
+                f"{args.nan_max_consecutive_skips}); stopped, no checkpoint saved inside the "
+                f"streak; {self._last_good_checkpoint_text()}"
             )
 
     def evaluate(self) -> float:
@@ -407,22 +410,35 @@ class Trainer:
             signum = signals.agreed_signal()
             done = self.iteration >= args.train_iters
             stop = args.exit_interval and self.iteration - started_at >= args.exit_interval
+            saved = False
             if args.save and (
                 done or stop or signum
                 or (args.save_interval and self.iteration % args.save_interval == 0)
             ):
-                self.save(args.save)
+                # Inside a non-finite streak the weights may be what diverges: a checkpoint
+                # there would become `latest`, and resuming would re-enter the streak.
+                if self.nan_streak:
+                    logger.warning("iteration %d: not saved, inside a streak of %d non-finite "
+                                   "steps; %s", self.iteration, self.nan_streak,
+                                   self._last_checkpoint_text())
+                else:
+                    self.save(args.save)
+                    saved = True
             if signum and not done:
-                raise TrainingInterrupted(signum, self._interrupted(signum))
+                raise TrainingInterrupted(signum, self._interrupted(signum, saved))
             if stop:
                 break
 
-    def _interrupted(self, signum: int) -> str:
-        """The line that ends a run stopped by `signum`."""
+    def _interrupted(self, signum: int, saved: bool) -> str:
+        """The line that ends a run stopped by `signum` (`saved`: a checkpoint was written)."""
         name = signal.Signals(signum).name
         if not self.args.save:
             return (f"interrupted by {name} after iteration {self.iteration}; no --save, so "
                     "no checkpoint was written")
+        if not saved:
+            return (f"interrupted by {name} after iteration {self.iteration}, inside a streak "
+                    f"of {self.nan_streak} non-finite steps, so not saved; "
+                    f"{self._last_good_checkpoint_text()}")
         return (f"interrupted by {name} after iteration {self.iteration}: saved checkpoint "
                 f"{checkpointing.checkpoint_dir(self.args.save, self.iteration)}; resume with "
                 f"--load {self.args.save}")
@@ -430,7 +446,16 @@ class Trainer:
     def _last_checkpoint_text(self) -> str:
         if self.last_checkpoint is None:
             return "no checkpoint of this run yet"
-        return f"the last checkpoint is {self.last_checkpoint}"
+        root, iteration = self.last_checkpoint
+        return f"the last checkpoint is {checkpointing.checkpoint_dir(root, iteration)}"
+
+    def _last_good_checkpoint_text(self) -> str:
+        """Where to resume from after a non-finite streak (no checkpoint is saved inside one)."""
+        if self.last_checkpoint is None:
+            return "no checkpoint of this run before it"
+        root, iteration = self.last_checkpoint
+        return (f"the last good checkpoint is {checkpointing.checkpoint_dir(root, iteration)}: "
+                f"resume from it with --load {root} --ckpt-step {iteration}")
 
     def save(self, root: str) -> None:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
@@ -446,7 +471,7 @@ class Trainer:
                 self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
             ),
         )
-        self.last_checkpoint = checkpointing.checkpoint_dir(root, self.iteration)
+        self.last_checkpoint = (root, self.iteration)
 
     def _report(self, record, progress, metrics_path):
         args = self.args

@@ -46,13 +46,16 @@ def _install(sabotage, checkpointing, loop):
     def kill():
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if kind == "nan":  # the loss of every micro-batch of iteration `when` becomes NaN
+    # The loss of every micro-batch of iteration `when` (nan), or of every one from `when` on
+    # (nan-from), becomes NaN.
+    if kind in ("nan", "nan-from"):
         original, calls = loop._masked_mean_loss, [0]
 
         def nan_loss(mask, output):
             calls[0] += 1
             loss, report = original(mask, output)
-            if (calls[0] - 1) // 2 + 1 == when:  # two micro-batches per iteration
+            iteration = (calls[0] - 1) // 2 + 1  # two micro-batches per iteration
+            if iteration == when or (kind == "nan-from" and iteration > when):
                 loss = loss * float("nan")
                 report = {"lm loss": loss.detach().clone()}
             return loss, report
@@ -123,11 +126,33 @@ def test_nan_stop_policy_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     argv = [*TINY, "--train-iters", "8", "--save", ckpt, "--save-interval", "2",
             "--nan-policy", "stop"]
-    with pytest.raises(RuntimeError, match=r"iteration 5: non-finite lm loss .* nan_policy=stop"):
+    with pytest.raises(RuntimeError, match=r"iteration 5: non-finite lm loss .* nan_policy=stop; "
+                                           r"the last good checkpoint is .*/iter_0000004: resume "
+                                           r"from it with --load .* --ckpt-step 4"):
         run_distributed(_train, 1, argv, ("nan", 5))
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as handle:
         assert handle.read() == "4"
     assert run_distributed(_train, 1, [*argv, "--load", ckpt, "--nan-policy", "skip"])[0]
+
+
+def test_no_checkpoint_is_saved_inside_a_nan_streak_and_the_stop_names_the_last_good_one(
+    tmp_path,
+):
+    ckpt = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "12", "--save", ckpt, "--save-interval", "2",
+            "--nan-max-consecutive-skips", "4"]
+    # Iterations 5-8 are NaN: the saves due at 6 and 8 are left out, the streak stops at 8.
+    with pytest.raises(RuntimeError, match=(
+        r"iteration 8: 4 non-finite steps in a row \(from iteration 5; "
+        r"nan_max_consecutive_skips=4\); stopped, no checkpoint saved inside the streak; the "
+        rf"last good checkpoint is {re.escape(ckpt)}/iter_0000004: resume from it with --load "
+        rf"{re.escape(ckpt)} --ckpt-step 4"
+    )):
+        run_distributed(_train, 1, argv, ("nan-from", 5))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as handle:
+        assert handle.read() == "4"
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004"]
 
 
 @pytest.fixture(scope="module")
