@@ -94,6 +94,10 @@ class PretrainArgs(RunArgs):
     ckpt_step: Optional[int] = None
     """Load this iteration of --load instead of the latest (Megatron-LM's flag), e.g. an older
     complete checkpoint when the newest one is corrupt."""
+    rewind_save: bool = False
+    """With --load DIR --save DIR --ckpt-step N, move DIR's checkpoints after N aside (to
+    DIR/rewound_from_iter_M) and point `latest` at N (refused without it: DIR would hold two
+    runs)."""
     override_checkpoint_data_settings: bool = False
     """On --load, accept a vocabulary size, tokenizer or sequence length that differs from the
     checkpoint's (refused otherwise)."""
