@@ -25,9 +25,12 @@ _KEY = "mea-heartbeat/{}"
 
 def is_timeout(exc: BaseException) -> bool:
     """Whether `exc` is a collective that waited past the process group's timeout (gloo:
-    `Timed out waiting ...ms for recv operation`; NCCL's watchdog: `... timeout ...`)."""
+    `Timed out waiting ...ms for recv operation`; NCCL's watchdog: `... collective operation
+    timeout`)."""
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("timed out" in text or "timeout" in text)
+    return isinstance(exc, RuntimeError) and (
+        "timed out" in text or "collective operation timeout" in text
+    )
 
 
 class Heartbeat:
