@@ -7,6 +7,7 @@ checkpoint's model is the same model whoever builds it.
 """
 
 import os
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -80,10 +81,15 @@ def build_model(
     return model
 
 
-def initialize(args: RunArgs) -> None:
+def initialize(args: RunArgs, timeout_minutes: Optional[float] = None) -> None:
     """Process group (NCCL on GPUs, gloo on CPU), Megatron's parallel state and seeds.
 
     Without CUDA, call it inside `megatron_mea.cpu.megatron_on_cpu()` (the CLIs do).
+
+    Args:
+        args: the run's layout and seed.
+        timeout_minutes: how long any collective waits for the other ranks before it fails
+            (`--distributed-timeout-minutes`). Default: None, torch's and Megatron's defaults.
     """
     on_gpu = torch.cuda.is_available()
     if not dist.is_initialized():
@@ -93,8 +99,10 @@ def initialize(args: RunArgs) -> None:
             os.environ.setdefault("MASTER_PORT", str(free_port()))
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if on_gpu else "gloo")
-    parallel_state.initialize_model_parallel(**parallel_sizes(args))
+        timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
+        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout)
+    groups = {} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}
+    parallel_state.initialize_model_parallel(**parallel_sizes(args), **groups)
     # Same seed on every rank: replicated parameters start identical (Megatron-LM offsets the
     # seed by pipeline stage only).
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()

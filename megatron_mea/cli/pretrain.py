@@ -24,7 +24,9 @@ def main(argv=None) -> int:
     Returns:
         The exit status: 0 trained; 2 an input refused before training (a flag, a file, a
         directory or a checkpoint; one line); 1 a failure at run time (a non-finite loss under
-        the `stop` policy, one line; anything unexpected, with its traceback).
+        the `stop` policy, or a collective that timed out, one line; anything unexpected, with
+        its traceback); 128 + N stopped by signal N after saving a checkpoint
+        (`--exit-signal-handler`: 143 SIGTERM, 130 SIGINT, 129 SIGHUP; one line naming it).
     """
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -37,7 +39,12 @@ def main(argv=None) -> int:
         return 2
     from megatron_mea.data import DatasetError
     from megatron_mea.training.checkpointing import CheckpointError
-    from megatron_mea.training.loop import TrainingStopped, pretrain
+    from megatron_mea.training.loop import (
+        CollectiveTimeout,
+        TrainingInterrupted,
+        TrainingStopped,
+        pretrain,
+    )
     from megatron_mea.training.run_dir import RunDirectoryError
 
     try:
@@ -45,6 +52,12 @@ def main(argv=None) -> int:
     except (CheckpointError, RunDirectoryError, DatasetError) as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingInterrupted as exc:
+        print(f"mea-pretrain: {exc}", file=sys.stderr)
+        return 128 + exc.signum
+    except CollectiveTimeout as exc:
+        print(f"mea-pretrain: error: {exc}", file=sys.stderr)
+        return 1
     except TrainingStopped as exc:
         print(f"mea-pretrain: stopped: {exc}", file=sys.stderr)
         return 1

@@ -72,6 +72,13 @@ class PretrainArgs(RunArgs):
     exit_interval: Optional[int] = None
     """Stop (after saving) once this many iterations have run in this process; for tests and
     preemption drills."""
+    distributed_timeout_minutes: float = 10.0
+    """How long a collective waits for the other ranks before the run fails, naming the rank
+    that stopped answering (Megatron-LM's flag and default; fractions of a minute allowed)."""
+    exit_signal_handler: bool = True
+    """On SIGTERM, SIGINT or SIGHUP, finish the step in flight, save a checkpoint (every rank)
+    and exit with 128 + the signal's number; a second signal exits at once (Megatron-LM's flag,
+    on by default here; --no-exit-signal-handler leaves the signals' default actions)."""
     nan_policy: Literal["skip", "stop"] = "skip"
     """On a NaN/Inf loss or grad norm: `skip` the update (data still advances) or `stop` the run,
     keeping the last good checkpoint."""
@@ -87,6 +94,10 @@ class PretrainArgs(RunArgs):
     ckpt_step: Optional[int] = None
     """Load this iteration of --load instead of the latest (Megatron-LM's flag), e.g. an older
     complete checkpoint when the newest one is corrupt."""
+    rewind_save: bool = False
+    """With --load DIR --save DIR --ckpt-step N, move DIR's checkpoints after N aside (to
+    DIR/rewound_from_iter_M) and point `latest` at N (refused without it: DIR would hold two
+    runs)."""
     override_checkpoint_data_settings: bool = False
     """On --load, accept a vocabulary size, tokenizer or sequence length that differs from the
     checkpoint's (refused otherwise)."""
@@ -182,6 +193,13 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
             f"world size ({world_size}) must be divisible by tensor_model_parallel_size x "
             f"pipeline_model_parallel_size x context_parallel_size ({model_parallel})"
         )
+    if args.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        # Megatron-Core's MoE layer refuses it only at the first training forward.
+        raise ValueError(
+            f"num_experts ({args.num_experts}) with tensor_model_parallel_size "
+            f"({args.tensor_model_parallel_size}) > 1 needs sequence_parallel "
+            "(--sequence-parallel), as Megatron-LM requires"
+        )
     dp = world_size // model_parallel
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(
@@ -216,6 +234,10 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
         raise ValueError(
             "dist_ckpt_optim_fully_reshardable needs use_distributed_optimizer (the plain "
             "optimizer's checkpoint reshards at any layout already)"
+        )
+    if not args.distributed_timeout_minutes > 0:
+        raise ValueError(
+            f"distributed_timeout_minutes ({args.distributed_timeout_minutes}) must be > 0"
         )
     if args.save_interval is not None and args.save_interval < 1:
         raise ValueError(f"save_interval ({args.save_interval}) must be >= 1")

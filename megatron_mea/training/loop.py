@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from functools import partial
 
@@ -32,6 +33,8 @@ from megatron_mea.gpt import build_model, initialize, transformer_config
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.run_config import save_config
 from megatron_mea.training import checkpointing, processes, run_dir
+from megatron_mea.training.signals import ExitSignalHandler
+from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 from megatron_mea.training.arguments import PretrainArgs, dataset_prefixes
 from megatron_mea.training.batches import MicroBatches
 from megatron_mea.training.model import build_optimizer, build_scheduler, wrap_ddp
@@ -44,6 +47,25 @@ AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 class TrainingStopped(RuntimeError):
     """The run stopped on purpose (non-finite loss or grad norm under the `stop` policy)."""
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited past `--distributed-timeout-minutes`; the message names the rank
+    that stopped answering and the last checkpoint."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """A signal stopped the run after the step in flight (`--exit-signal-handler`); the message
+    names the checkpoint saved.
+
+    Args:
+        signum: the signal (the CLI exits with 128 + signum, as the signal's default would).
+        message: one line.
+    """
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
 
 
 def _forward_step(data_iterator, model):
@@ -84,10 +106,15 @@ class Trainer:
     def __init__(self, args: PretrainArgs):
         require_cpu_patches("Trainer")
         self.args = args
-        initialize(args)
-        # Before anything is built: one writer per --save, no silent fresh start over a run.
-        self.save_lock, loads = _claim_run_directories(args)
+        initialize(args, timeout_minutes=args.distributed_timeout_minutes)
+        self.heartbeat, self.save_lock = None, None
+        # The newest checkpoint of this run, loaded or saved: (directory, iteration).
+        self.last_checkpoint = None
         try:
+            if dist.get_world_size() > 1:  # names a peer that stops answering
+                self.heartbeat = Heartbeat(args.distributed_timeout_minutes).start()
+            # Before anything is built: one writer per --save, no silent fresh start over a run.
+            self.save_lock, loads = _claim_run_directories(args)
             self._set_up(args, loads)
         except BaseException:
             self.close()
@@ -144,6 +171,7 @@ class Trainer:
                 # A tensor's name or shape says little about which flag is off; the saving
                 # run's config.yaml names the setting.
                 raise explain_model_mismatch(args.load, args, exc) from None
+            self.last_checkpoint = (args.load, self.iteration)
         eval_runs = args.train_iters // args.eval_interval + 1
         build = partial(
             build_gpt_datasets,
@@ -184,7 +212,10 @@ class Trainer:
             save_config(args, args.save)
 
     def close(self) -> None:
-        """Release the lock on --save (the end of the run)."""
+        """Stop the heartbeat, release the lock on --save (the end of the run)."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+            self.heartbeat = None
         if self.save_lock is not None:
             self.save_lock.release()
             self.save_lock = None
@@ -304,12 +335,14 @@ class Trainer:
         if args.nan_policy == "stop":
             raise TrainingStopped(
                 f"iteration {step}: non-finite lm loss ({loss}) or grad norm ({grad_norm}); "
-                f"stopped with nan_policy=stop, the last good checkpoint is kept"
+                f"stopped with nan_policy=stop; {self._last_good_checkpoint_text()}"
             )
         if self.nan_streak >= args.nan_max_consecutive_skips:
             raise TrainingStopped(
-                f"iteration {step}: {self.nan_streak} non-finite steps in a row "
-                f"(nan_max_consecutive_skips={args.nan_max_consecutive_skips}); stopped"
+                f"iteration {step}: {self.nan_streak} non-finite steps in a row (from iteration "
+                f"{step - self.nan_streak + 1}; nan_max_consecutive_skips="
+                f"{args.nan_max_consecutive_skips}); stopped, no checkpoint saved inside the "
+                f"streak; {self._last_good_checkpoint_text()}"
             )
 
     def evaluate(self) -> float:
@@ -329,13 +362,33 @@ class Trainer:
         """Train to `train_iters` (or `exit_interval` more steps); returns the per-step history."""
         args = self.args
         history, started_at = [], self.iteration
-        tokens_per_step = args.global_batch_size * args.seq_length
         progress = None
         if self.rank == 0 and not args.no_progress_bar:
             tqdm = import_extra("tqdm", "the progress bar (--no-progress-bar turns it off)").tqdm
             progress = tqdm(total=args.train_iters, initial=self.iteration, unit="step",
                             dynamic_ncols=True, desc=args.attention_variant)
         metrics_path = os.path.join(args.save, "metrics.jsonl") if args.save else None
+        signals = ExitSignalHandler(dist.group.WORLD, enabled=args.exit_signal_handler)
+        try:
+            with signals:
+                self._train_loop(history, started_at, progress, metrics_path, signals)
+        except RuntimeError as exc:
+            if not is_timeout(exc):
+                raise
+            raise CollectiveTimeout(
+                f"rank {self.rank}, iteration {self.iteration + 1}: "
+                f"{describe_timeout(self.heartbeat, args.distributed_timeout_minutes)}; "
+                f"{self._last_checkpoint_text()}"
+            ) from None
+        finally:
+            if progress is not None:
+                progress.close()
+            self.tensorboard.close()
+        return history
+
+    def _train_loop(self, history, started_at, progress, metrics_path, signals) -> None:
+        args = self.args
+        tokens_per_step = args.global_batch_size * args.seq_length
         window_start = time.perf_counter()
         while self.iteration < args.train_iters:
             scalars = self.train_step()
@@ -353,18 +406,56 @@ class Trainer:
             history.append(record)
             if self.rank == 0:
                 self._report(record, progress, metrics_path)
+            # Every rank learns of a signal any rank got, so all save together.
+            signum = signals.agreed_signal()
             done = self.iteration >= args.train_iters
             stop = args.exit_interval and self.iteration - started_at >= args.exit_interval
+            saved = False
             if args.save and (
-                done or stop or (args.save_interval and self.iteration % args.save_interval == 0)
+                done or stop or signum
+                or (args.save_interval and self.iteration % args.save_interval == 0)
             ):
-                self.save(args.save)
+                # Inside a non-finite streak the weights may be what diverges: a checkpoint
+                # there would become `latest`, and resuming would re-enter the streak.
+                if self.nan_streak:
+                    logger.warning("iteration %d: not saved, inside a streak of %d non-finite "
+                                   "steps; %s", self.iteration, self.nan_streak,
+                                   self._last_checkpoint_text())
+                else:
+                    self.save(args.save)
+                    saved = True
+            if signum and not done:
+                raise TrainingInterrupted(signum, self._interrupted(signum, saved))
             if stop:
                 break
-        if progress is not None:
-            progress.close()
-        self.tensorboard.close()
-        return history
+
+    def _interrupted(self, signum: int, saved: bool) -> str:
+        """The line that ends a run stopped by `signum` (`saved`: a checkpoint was written)."""
+        name = signal.Signals(signum).name
+        if not self.args.save:
+            return (f"interrupted by {name} after iteration {self.iteration}; no --save, so "
+                    "no checkpoint was written")
+        if not saved:
+            return (f"interrupted by {name} after iteration {self.iteration}, inside a streak "
+                    f"of {self.nan_streak} non-finite steps, so not saved; "
+                    f"{self._last_good_checkpoint_text()}")
+        return (f"interrupted by {name} after iteration {self.iteration}: saved checkpoint "
+                f"{checkpointing.checkpoint_dir(self.args.save, self.iteration)}; resume with "
+                f"--load {self.args.save}")
+
+    def _last_checkpoint_text(self) -> str:
+        if self.last_checkpoint is None:
+            return "no checkpoint of this run yet"
+        root, iteration = self.last_checkpoint
+        return f"the last checkpoint is {checkpointing.checkpoint_dir(root, iteration)}"
+
+    def _last_good_checkpoint_text(self) -> str:
+        """Where to resume from after a non-finite streak (no checkpoint is saved inside one)."""
+        if self.last_checkpoint is None:
+            return "no checkpoint of this run before it"
+        root, iteration = self.last_checkpoint
+        return (f"the last good checkpoint is {checkpointing.checkpoint_dir(root, iteration)}: "
+                f"resume from it with --load {root} --ckpt-step {iteration}")
 
     def save(self, root: str) -> None:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
@@ -380,6 +471,7 @@ class Trainer:
                 self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
             ),
         )
+        self.last_checkpoint = (root, self.iteration)
 
     def _report(self, record, progress, metrics_path):
         args = self.args

@@ -12,7 +12,9 @@ Three rules, checked on rank 0 before any model is built (`claim_run_directories
 - A run that does not continue the run in `--save` (a fresh start, or a `--load` of another
   directory) refuses a `--save` that holds checkpoints unless `--overwrite-save` is given; the
   previous run's `metrics.jsonl` is then moved aside (`metrics.jsonl.<n>`), so that the file
-  only ever holds one run's steps.
+  only ever holds one run's steps. A run that continues from an older checkpoint of its own
+  `--save` (`--ckpt-step N`) moves the later checkpoints aside (`--rewind-save`; refused
+  without), so the directory never mixes two runs.
 """
 
 import fcntl
@@ -24,6 +26,7 @@ import time
 from typing import Optional, Tuple
 
 from megatron_mea.checkpoint.checks import TRACKER, latest_iteration
+from megatron_mea.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +141,8 @@ def check_save(args, loads: bool) -> None:
         return
     continues = loads and _same_directory(args.load, args.save)
     if continues:
+        if args.ckpt_step is not None:
+            _rewind(args.save, args.ckpt_step, args.rewind_save)
         return
     found = saved_iterations(args.save)
     has_tracker = os.path.exists(os.path.join(args.save, TRACKER))
@@ -157,6 +162,35 @@ def check_save(args, loads: bool) -> None:
         os.rename(metrics, f"{metrics}.{number}")
         logger.warning("--save %s: a new run; the previous run's %s is now %s.%d",
                        args.save, METRICS, METRICS, number)
+
+
+def _rewind(root: str, iteration: int, move_aside: bool) -> None:
+    """`--load DIR --ckpt-step N --save DIR`: the checkpoints after N belong to the run being
+    abandoned. Refused unless `move_aside` (`--rewind-save`); then they move to
+    `DIR/rewound_from_iter_M[.n]/` and the pointer names N, so `DIR` holds one run."""
+    found = saved_iterations(root)
+    later = [i for i in found if i > iteration]
+    if not later or iteration not in found:  # nothing to abandon, or the load will say
+        return
+    if not move_aside:
+        raise RunDirectoryError(
+            f"--save {root}: --ckpt-step {iteration} rewinds the run there, which has "
+            f"{len(later)} later checkpoint(s) (iter_{later[0]:07d} .. iter_{later[-1]:07d}); "
+            "pass --rewind-save to move them aside, or choose another --save"
+        )
+    aside = os.path.join(root, f"rewound_from_iter_{later[-1]:07d}")
+    number, base = 0, aside
+    while os.path.exists(aside):
+        number += 1
+        aside = f"{base}.{number}"
+    os.makedirs(aside)
+    for later_iteration in later:
+        name = f"iter_{later_iteration:07d}"
+        os.rename(os.path.join(root, name), os.path.join(aside, name))
+    with atomic_write(os.path.join(root, TRACKER)) as handle:
+        handle.write(str(iteration))
+    logger.warning("--save %s: rewound to iteration %d; the %d later checkpoint(s) moved to %s",
+                   root, iteration, len(later), aside)
 
 
 def claim_run_directories(args) -> Tuple[Optional[SaveLock], bool]:

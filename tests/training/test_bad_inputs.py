@@ -44,11 +44,21 @@ def _refused(argv, capsys):
     (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/no/such/tokenizer"],
      r"tokenizer_model: no such file or directory '/no/such/tokenizer'"),
     (["--ckpt-step", "3"], r"ckpt_step \(3\) needs load"),
+    (["--distributed-timeout-minutes", "0"], r"distributed_timeout_minutes \(0.0\) must be > 0"),
 ])
 def test_bad_flags_are_refused_in_one_line(flags, match, capsys):
     status, line = _refused([*MOCK, *flags], capsys)
     assert status == 2
     assert re.search(match, line), line
+
+
+def test_moe_with_tensor_parallelism_needs_sequence_parallelism(monkeypatch, capsys):
+    # Megatron-Core's MoE layer would refuse it only at the first forward, after the build.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    status, line = _refused([*MOCK, "--tensor-model-parallel-size", "2"], capsys)
+    assert status == 2
+    assert re.search(r"num_experts \(4\) with tensor_model_parallel_size \(2\) > 1 needs "
+                     r"sequence_parallel \(--sequence-parallel\)", line), line
 
 
 def test_bad_config_files_are_named(tmp_path, capsys):

@@ -1,6 +1,7 @@
 """Crash-safe checkpoints, refusal of bad checkpoints (one line from the CLI), and the NaN policy
 (real processes)."""
 
+import json
 import os
 import pickle
 import re
@@ -8,13 +9,14 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from megatron_mea import compat
-from tests._dist import run_distributed, standalone_environment
+from tests._dist import free_port, run_distributed, standalone_environment
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Variables of a launcher around this test session that a CLI run must not inherit.
@@ -44,13 +46,16 @@ def _install(sabotage, checkpointing, loop):
     def kill():
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if kind == "nan":  # the loss of every micro-batch of iteration `when` becomes NaN
+    # The loss of every micro-batch of iteration `when` (nan), or of every one from `when` on
+    # (nan-from), becomes NaN.
+    if kind in ("nan", "nan-from"):
         original, calls = loop._masked_mean_loss, [0]
 
         def nan_loss(mask, output):
             calls[0] += 1
             loss, report = original(mask, output)
-            if (calls[0] - 1) // 2 + 1 == when:  # two micro-batches per iteration
+            iteration = (calls[0] - 1) // 2 + 1  # two micro-batches per iteration
+            if iteration == when or (kind == "nan-from" and iteration > when):
                 loss = loss * float("nan")
                 report = {"lm loss": loss.detach().clone()}
             return loss, report
@@ -121,11 +126,33 @@ def test_nan_stop_policy_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     argv = [*TINY, "--train-iters", "8", "--save", ckpt, "--save-interval", "2",
             "--nan-policy", "stop"]
-    with pytest.raises(RuntimeError, match=r"iteration 5: non-finite lm loss .* nan_policy=stop"):
+    with pytest.raises(RuntimeError, match=r"iteration 5: non-finite lm loss .* nan_policy=stop; "
+                                           r"the last good checkpoint is .*/iter_0000004: resume "
+                                           r"from it with --load .* --ckpt-step 4"):
         run_distributed(_train, 1, argv, ("nan", 5))
     with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as handle:
         assert handle.read() == "4"
     assert run_distributed(_train, 1, [*argv, "--load", ckpt, "--nan-policy", "skip"])[0]
+
+
+def test_no_checkpoint_is_saved_inside_a_nan_streak_and_the_stop_names_the_last_good_one(
+    tmp_path,
+):
+    ckpt = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "12", "--save", ckpt, "--save-interval", "2",
+            "--nan-max-consecutive-skips", "4"]
+    # Iterations 5-8 are NaN: the saves due at 6 and 8 are left out, the streak stops at 8.
+    with pytest.raises(RuntimeError, match=(
+        r"iteration 8: 4 non-finite steps in a row \(from iteration 5; "
+        r"nan_max_consecutive_skips=4\); stopped, no checkpoint saved inside the streak; the "
+        rf"last good checkpoint is {re.escape(ckpt)}/iter_0000004: resume from it with --load "
+        rf"{re.escape(ckpt)} --ckpt-step 4"
+    )):
+        run_distributed(_train, 1, argv, ("nan-from", 5))
+    with open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")) as handle:
+        assert handle.read() == "4"
+    assert sorted(n for n in os.listdir(ckpt) if n.startswith("iter_")) == [
+        "iter_0000002", "iter_0000004"]
 
 
 @pytest.fixture(scope="module")
@@ -391,3 +418,192 @@ def test_resuming_with_other_data_settings_is_refused(saved_checkpoint, flags, m
     argv = [*TINY, "--train-iters", "2", "--load", saved_checkpoint, *flags]
     with pytest.raises(RuntimeError, match=match + r".*--override-checkpoint-data-settings"):
         run_distributed(_train, 1, argv)
+
+
+# ---- preemption: --exit-signal-handler -------------------------------------------------------
+
+# Variables of an enclosing launcher that would change what torchrun sets up.
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")
+
+
+def _metrics(save):
+    path = os.path.join(save, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as handle:
+        return [json.loads(line) for line in handle if line.endswith("\n")]
+
+
+def _signal_after(process, save, steps, signum, timeout=120):
+    """Send `signum` to `process` once `steps` steps are in `save`'s metrics.jsonl; returns
+    (exit status, output)."""
+    deadline = time.monotonic() + timeout
+    while len(_metrics(save)) < steps:
+        assert process.poll() is None, process.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the run made no progress"
+        time.sleep(0.05)
+    process.send_signal(signum)
+    return process.wait(timeout=timeout), process.communicate()[0]
+
+
+def _interrupted_lines(output, name, save):
+    """The `mea-pretrain: interrupted` lines (one per rank, all the same); returns the saved
+    iteration."""
+    lines = [line for line in output.splitlines() if line.startswith("mea-pretrain:")]
+    assert lines and len(set(lines)) == 1, output[-3000:]
+    found = re.fullmatch(rf"mea-pretrain: interrupted by {name} after iteration (\d+): saved "
+                         rf"checkpoint {re.escape(save)}/iter_(\d{{7}}); resume with --load "
+                         rf"{re.escape(save)}", lines[0])
+    assert found and int(found[1]) == int(found[2]), lines[0]
+    return int(found[1])
+
+
+def _assert_nothing_lost(save, saved):
+    """The saved iteration is the last step the run reported (only the step in flight ran on)."""
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as handle:
+        assert int(handle.read()) == saved
+    assert [r["iteration"] for r in _metrics(save)] == list(range(1, saved + 1))
+
+
+def test_sigint_finishes_the_step_saves_and_exits_130_and_resume_continues(tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "50", "--save", save]
+    process = subprocess.Popen([sys.executable, "-m", "megatron_mea.cli.pretrain", *argv],
+                               cwd=ROOT, env=standalone_environment(), text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    status, output = _signal_after(process, save, 2, signal.SIGINT)
+    assert status == 130, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    saved = _interrupted_lines(output, "SIGINT", save)
+    _assert_nothing_lost(save, saved)
+    # The lock is released: a resumed run takes the directory and goes on from the next step.
+    run_distributed(_train, 1, [*argv, "--load", save, "--exit-interval", "1"])
+    assert [r["iteration"] for r in _metrics(save)][-1] == saved + 1
+
+
+def _signal_rank(rank, world_size, argv, signalled_rank, when):
+    """Train; rank `signalled_rank` sends itself SIGTERM during iteration `when`."""
+    from megatron_mea.training import loop
+    from megatron_mea.training.arguments import parse_args
+
+    if rank == signalled_rank:
+        original, calls = loop._masked_mean_loss, [0]
+
+        def loss_then_signal(mask, output):
+            calls[0] += 1
+            if calls[0] == 2 * when:  # two micro-batches per iteration
+                os.kill(os.getpid(), signal.SIGTERM)
+            return original(mask, output)
+
+        loop._masked_mean_loss = loss_then_signal
+    try:
+        loop.pretrain(parse_args(argv))
+    except loop.TrainingInterrupted as exc:
+        return exc.signum, str(exc)
+    return None
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_a_common_save(tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "8", "--save", save, "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"]
+    results = run_distributed(_signal_rank, 2, argv, 1, 2)
+    assert results[0] == results[1] == (
+        signal.SIGTERM, f"interrupted by SIGTERM after iteration 2: saved checkpoint "
+                        f"{save}/iter_0000002; resume with --load {save}")
+    _assert_nothing_lost(save, 2)
+
+
+def test_sigterm_to_torchrun_at_tp2_saves_the_step_in_flight(tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "50", "--save", save, "--tensor-model-parallel-size", "2",
+            "--sequence-parallel"]
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env["OMP_NUM_THREADS"] = "1"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+         "-m", "megatron_mea.cli.pretrain", *argv],
+        env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        _, output = _signal_after(process, save, 2, signal.SIGTERM)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    # torchrun passes SIGTERM to both workers; each saves its shards and says so (torchrun
+    # itself then exits 1 with its own report of the signal).
+    assert output.count("mea-pretrain: interrupted") == 2, output[-3000:]
+    saved = _interrupted_lines(output, "SIGTERM", save)
+    _assert_nothing_lost(save, saved)
+    iteration = os.path.join(save, f"iter_{saved:07d}")
+    shards = [n for n in os.listdir(iteration) if n.endswith(".distcp")]
+    assert {name.split("_")[2] for name in shards} == {"0", "1"}, shards
+
+
+SECOND_SIGNAL = """
+import os, signal, sys, time
+import torch.distributed as dist
+from megatron_mea.training.signals import ExitSignalHandler
+with ExitSignalHandler(group=None) as handler:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(0.1)
+    assert handler.received == signal.SIGTERM
+    print("first signal held", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+print("still running")
+"""
+
+
+def test_a_second_signal_exits_at_once():
+    run = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60, env=standalone_environment())
+    assert run.returncode == -signal.SIGTERM, run.stderr[-3000:]
+    assert run.stdout == "first signal held\n"
+    assert "second signal (SIGTERM): exiting without a checkpoint" in run.stderr
+
+
+# ---- a wedged rank: --distributed-timeout-minutes ---------------------------------------------
+
+
+def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
+    save, timeout_minutes = str(tmp_path / "ckpt"), 0.15
+    argv = [*TINY, "--train-iters", "50", "--save", save, "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--distributed-timeout-minutes", str(timeout_minutes)]
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-m", "megatron_mea.cli.pretrain", *argv], cwd=ROOT,
+            env=standalone_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                       OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while len(_metrics(save)) < 2:
+            assert ranks[0].poll() is None, ranks[0].communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "the run made no progress"
+            time.sleep(0.05)
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        status = ranks[0].wait(timeout=120)
+        waited = time.monotonic() - stopped_at
+        output = ranks[0].communicate()[0]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert status == 1, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    line = [line for line in output.splitlines() if line.startswith("mea-pretrain:")]
+    assert len(line) == 1, output[-3000:]
+    assert re.fullmatch(r"mea-pretrain: error: rank 0, iteration \d+: a collective waited 0.15 "
+                        r"min \(--distributed-timeout-minutes\) for rank 1, which stopped "
+                        r"answering \(no heartbeat\); no checkpoint of this run yet", line[0])
+    # The timeout, the heartbeat check (2.5 beats of 0.9 s) and the exit, with a margin.
+    assert waited < timeout_minutes * 60 + 8, waited

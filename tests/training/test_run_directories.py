@@ -26,7 +26,7 @@ from tests._dist import standalone_environment
 
 def _args(**kwargs):
     values = dict(save=None, load=None, ckpt_step=None, exit_on_missing_checkpoint=True,
-                  overwrite_save=False)
+                  overwrite_save=False, rewind_save=False)
     return SimpleNamespace(**{**values, **kwargs})
 
 
@@ -88,6 +88,29 @@ def test_a_fresh_run_refuses_a_save_holding_checkpoints(tmp_path):
             claim_run_directories(args)
         assert not os.path.exists(os.path.join(run, LOCK))  # released on refusal
     assert os.path.exists(os.path.join(run, "metrics.jsonl"))  # nothing moved or lost
+
+
+def test_rewinding_into_the_same_save_moves_the_later_checkpoints_aside_only_when_asked(
+    tmp_path,
+):
+    run = _run_dir(tmp_path / "run", iterations=(20, 40, 60))
+    with pytest.raises(RunDirectoryError, match=r"--ckpt-step 20 rewinds the run there, which "
+                                                r"has 2 later checkpoint\(s\) \(iter_0000040 "
+                                                r"\.\. iter_0000060\); pass --rewind-save"):
+        claim_run_directories(_args(save=run, load=run, ckpt_step=20))
+    assert sorted(os.listdir(run)) == ["iter_0000020", "iter_0000040", "iter_0000060",
+                                       "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+    lock, loads = claim_run_directories(_args(save=run, load=run, ckpt_step=20,
+                                              rewind_save=True))
+    lock.release()
+    assert loads
+    assert sorted(n for n in os.listdir(run) if n.startswith("iter_")) == ["iter_0000020"]
+    assert sorted(os.listdir(os.path.join(run, "rewound_from_iter_0000060"))) == [
+        "iter_0000040", "iter_0000060"]
+    assert open(os.path.join(run, "latest_checkpointed_iteration.txt")).read() == "20"
+    # Resuming at the newest checkpoint, or into another --save, moves nothing.
+    lock, _ = claim_run_directories(_args(save=run, load=run, ckpt_step=20))
+    lock.release()
 
 
 def test_continuing_keeps_the_metrics_and_a_new_run_moves_them_aside(tmp_path):

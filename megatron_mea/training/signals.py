@@ -1,0 +1,70 @@
+"""Preemption: SIGTERM / SIGINT / SIGHUP end a run with a checkpoint (`--exit-signal-handler`).
+
+Schedulers send SIGTERM before they preempt a job, people press Ctrl-C (SIGINT), and a closed
+terminal sends SIGHUP. With the handler installed (the default of `mea-pretrain`; Megatron-LM's
+`--exit-signal-handler`), a signal only sets a flag; after every step all ranks agree on it
+with one all-reduce (a rank that got no signal must still save its shards), save a checkpoint
+and stop. A second signal to a process whose first one is pending ends it at once, with the
+default action of that signal.
+"""
+
+import os
+import signal
+import sys
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+class ExitSignalHandler:
+    """Catch `SIGNALS` between `__enter__` and `__exit__` (the previous handlers come back).
+
+    Args:
+        group: the process group that decides together (every rank of the run).
+        enabled: when False, install nothing and never stop (`--no-exit-signal-handler`).
+            Default: True.
+    """
+
+    def __init__(self, group, enabled: bool = True):
+        self.group = group
+        self.enabled = enabled
+        self.received: Optional[int] = None
+        self._previous = {}
+
+    def __enter__(self) -> "ExitSignalHandler":
+        if self.enabled:
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            return
+        # A second signal: leave now, as the signal's default action does.
+        print(f"mea-pretrain: second signal ({signal.Signals(signum).name}): exiting without "
+              "a checkpoint", file=sys.stderr, flush=True)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def agreed_signal(self) -> Optional[int]:
+        """The signal that stops the run, the same on every rank (None: go on).
+
+        A collective: every rank of `group` calls it once per step. Where ranks got different
+        signals the highest number wins (only the exit status depends on it).
+        """
+        if not self.enabled:
+            return None
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        flag = torch.tensor([self.received or 0], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        value = int(flag.item())
+        return value or None
