@@ -193,13 +193,6 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
             f"world size ({world_size}) must be divisible by tensor_model_parallel_size x "
             f"pipeline_model_parallel_size x context_parallel_size ({model_parallel})"
         )
-    if args.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
-        # Megatron-Core's MoE layer refuses it only at the first training forward.
-        raise ValueError(
-            f"num_experts ({args.num_experts}) with tensor_model_parallel_size "
-            f"({args.tensor_model_parallel_size}) > 1 needs sequence_parallel "
-            "(--sequence-parallel), as Megatron-LM requires"
-        )
     dp = world_size // model_parallel
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ValueError(
@@ -272,6 +265,14 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
     from megatron_mea.gpt import transformer_config
 
     transformer_config(args, world_size=world_size)
+    # After the architecture's own checks (a head count TP cannot split is the first thing to
+    # fix); Megatron-Core's MoE layer refuses this only at the first training forward.
+    if args.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        raise ValueError(
+            f"num_experts ({args.num_experts}) with tensor_model_parallel_size "
+            f"({args.tensor_model_parallel_size}) > 1 needs sequence_parallel "
+            "(--sequence-parallel), as Megatron-LM requires"
+        )
 
 
 def _validate_run_inputs(args: PretrainArgs) -> None:
