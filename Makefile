@@ -32,7 +32,7 @@ test-fast: setup
 demo: setup
 	$(PY) -m megatron_mea.cli.demo
 
-# The papers' headline claims at demo scale (~40 min on 2 cores); the report goes to docs/.
+# The papers' headline claims at demo scale (24 runs, ~45 min on 2 cores); the report goes to docs/.
 reproduce: setup
 	$(PY) -m megatron_mea.cli.reproduce --out runs/reproduce --report-dir docs/reproduction
 

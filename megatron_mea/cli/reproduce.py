@@ -1,6 +1,6 @@
 """`mea-reproduce`: the papers' headline claims re-run at demo scale, with a markdown report.
 
-    mea-reproduce                                  # both studies, ~40 min on 2 CPU cores
+    mea-reproduce                                  # both studies: 24 runs, ~45 min on 2 cores
     mea-reproduce --studies kha --out runs/reproduce_kha
     mea-reproduce --report-dir docs/reproduction   # the report and its plots there
 
