@@ -59,7 +59,7 @@ def test_kha_section_3_4_flop_example(kha):
 
 def test_kha_flops_with_gqa_act_on_the_kv_heads_only():
     # Eq. 12 assumes MHA. With GQA our count applies T^V (or the V-MLP) to the g KV heads, before
-    # they are repeated for the query heads (the same function, KHA.md's GQA commutation): g/n of
+    # they are repeated for the query heads (the same function: the map is per head): g/n of
     # eq. 12 for KHA-MLP on V, the paper's main setting (32 query heads, 4 KV heads).
     shape = ModelShape(**{**KHA_FLOP_EXAMPLE, "num_query_groups": 4}, kha_variant="mlp",
                        kha_targets=("v",), kv_channels=32)
@@ -82,7 +82,7 @@ def test_megatron_convention_halves_the_scores_and_triples_for_training():
 
 # ---- KHA Tables 3 and 5: parameter counts ------------------------------------------------------
 
-# The counting rule (KHA.md section 6; the paper gives no formula, this rule reproduces every
+# The counting rule (ours: the paper gives no formula; this one reproduces every
 # MHA / GQA / MQA / GTA / dense row): no biases; q/k RMSNorm; two RMSNorms per layer and a final
 # one; SwiGLU experts (3 d f each), k of E active; router d x E; no shared expert; a dense FFN
 # 3 d d_ff; the embedding counted once, in total and activated, with V_eff = 157,184 rows (the
@@ -182,9 +182,9 @@ def test_kha_table_5_totals_and_activated(layers, hidden, ffn, experts, activate
 
 def test_kha_main_model_shape_is_a_guess_that_fits_the_printed_size():
     # Section 4.1 gives only 128 experts top-8, 32 query / 4 KV heads, 6.1B total and 1.01B
-    # activated. Under the rule above, d = 2048, 18 layers, experts of 384 fit (KHA.md section 6);
-    # examples/megatron_lm/kha_moe_6b_a1b.sh uses another guess (tests/integrations/
-    # test_model_size.py holds it within 2 %).
+    # activated. Under the rule above, d = 2048, 18 layers and experts of 384 fit (a shape that
+    # does, not one the paper confirms); examples/megatron_lm/kha_moe_6b_a1b.sh uses another guess
+    # (tests/integrations/test_model_size.py holds it within 2 %).
     shape = ModelShape(**PAPER_RULE, num_layers=18, hidden_size=2048, num_attention_heads=32,
                        num_query_groups=4, num_experts=128, moe_router_topk=8,
                        moe_ffn_hidden_size=384)

@@ -6,8 +6,8 @@
 # not in the paper: ours, a guess chosen to land on 6.1B / 1.01B (examples/README.md;
 # mea-model-size). The paper's counts of its smaller models (Tables 3 and 5) fit about 157K
 # embedding rows counted once (a tied ~157K or an untied ~78.6K vocabulary); with those and no
-# shared expert the one shape that gives 6.1B / 1.01B is 18 layers, hidden 2048, experts of 384
-# (tests/test_paper_numbers.py). This shape with a 78.6K untied vocabulary has 5.93B / 0.87B.
+# shared expert, 18 layers, hidden 2048, experts of 384 give 6.1B / 1.01B (tests/
+# test_paper_numbers.py). This shape with a 78.6K untied vocabulary has 5.93B / 0.87B.
 #
 #   VARIANT=baseline|kha-mlp|mea   standard attention, KHA-MLP on V (the paper's MoE setting),
 #                                  or MEA (MEA_NC component KV heads, default 4 = no compression)
