@@ -11,7 +11,7 @@ What is counted (Megatron-Core's GPTModel, the parameters a checkpoint holds):
   produces component heads) and `ng` otherwise, `linear_proj` `np*hn*h`, q/k norms `2*hn`,
   MEA `head_mix` `2*nc*ng` and `head_norm` `np*hn`, KHA `hn^2` per target (`linear`, `gate`) or
   `3*hn^2` (`mlp`), pre-MLP norm, then a dense MLP `(2 if swiglu else 1)*h*f + f*h` or, on MoE layers, a
-  router `h*E`, `E` experts of `(2|1)*h*fe + fe*h` and the shared expert if any;
+  router `h*E` (+ `E` biases), `E` experts of `(2|1)*h*fe + fe*h` and the shared expert if any;
 - a final norm `h`. Biases where `add_bias_linear` / `add_qkv_bias`; LayerNorm counts weight+bias.
 MTP layers are not counted. Active parameters count `k` of the `E` routed experts per MoE layer.
 
@@ -222,7 +222,8 @@ def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
             expert = _mlp(shape, shape.moe_ffn_hidden_size)
             shared = (_mlp(shape, shape.moe_shared_expert_intermediate_size)
                       if shape.moe_shared_expert_intermediate_size else 0)
-            router = h * shape.num_experts
+            # Megatron's router has a bias per expert when the linears have biases.
+            router = (h + (1 if shape.add_bias_linear else 0)) * shape.num_experts
             experts_total += shape.num_experts * expert
             total += layer_params + router + shared + shape.num_experts * expert
             active += layer_params + router + shared + shape.moe_router_topk * expert

@@ -125,3 +125,30 @@ def test_cli_counts_learned_positions_unless_rope_is_named(capsys):
     assert round(active[True] / 1e6, 1) == 880.3
     assert active[False] - active[True] == 4096 * 1536
     assert round(active[False] / 1e6, 1) == 886.6
+
+
+@pytest.mark.parametrize("fields", [
+    dict(),
+    dict(position_embedding_type="learned_absolute", max_position_embeddings=96,
+         normalization="LayerNorm", add_bias_linear=True, untie_embeddings_and_output_weights=False),
+    dict(attention_variant="mea", mea_num_kv_components=2),
+    dict(attention_variant="kha", kha_variant="mlp", kha_targets=("q", "v"), num_experts=None),
+    dict(attention_variant="kha", kha_variant="linear", moe_shared_expert_intermediate_size=48,
+         moe_layer_freq=[1, 0]),
+], ids=["baseline-moe", "learned-positions-layernorm-biases-tied", "mea-nc2", "kha-mlp-dense",
+        "kha-linear-shared-expert"])
+def test_total_is_what_megatron_builds(single_rank, fields):
+    # The count the paper tests compare against is the parameters of the GPTModel Megatron-Core
+    # builds from the same description (the checkpoint's tensors).
+    from megatron_mea.gpt import build_model, transformer_config
+    from megatron_mea.model_args import MODEL_FIELDS, RunArgs
+
+    args = RunArgs(**{**dict(num_layers=2, hidden_size=64, num_attention_heads=8,
+                             num_query_groups=4, seq_length=64, vocab_size=300, num_experts=4,
+                             moe_ffn_hidden_size=32), **fields})
+    model = build_model(args, transformer_config(args), pre_process=True, post_process=True)
+    built = sum(p.numel() for p in model.parameters())
+    # ModelShape counts the padded vocabulary (the embedding's rows).
+    shape = ModelShape(**{**{name: getattr(args, name) for name in MODEL_FIELDS},
+                          "vocab_size": args.padded_vocab_size})
+    assert model_size(shape)["total_params"] == built
