@@ -170,7 +170,8 @@ def kha_section(runs: Dict[tuple, List[dict]], lrs, variants) -> List[str]:
     lines = ["| LR | variant | final loss per seed | mean | vs baseline | spikes per seed |",
              "|---|---|---|---|---|---|"]
     for lr in lrs:
-        base = [r["final_loss"] for r in runs.get(("baseline", lr), []) if r["final_loss"]]
+        base = [r["final_loss"] for r in runs.get(("baseline", lr), [])
+                if r["final_loss"] is not None]
         for variant in variants:
             seeds = runs.get((variant, lr), [])
             losses = [r["final_loss"] for r in seeds if r["final_loss"] is not None]
