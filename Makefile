@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION := 2.13.0
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-fast demo reproduce clean
 
 # The venv sees system site-packages so that an installed torch (NVIDIA containers) is reused;
 # torch is installed (pinned; the CPU build where the index has one) only when none is importable.
@@ -31,6 +31,10 @@ test-fast: setup
 
 demo: setup
 	$(PY) -m megatron_mea.cli.demo
+
+# The papers' headline claims at demo scale (24 runs, ~45 min on 2 cores); the report goes to docs/.
+reproduce: setup
+	$(PY) -m megatron_mea.cli.reproduce --out runs/reproduce --report-dir docs/reproduction
 
 clean:
 	rm -rf .venv .venv-mcore* build *.egg-info

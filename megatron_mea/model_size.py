@@ -5,12 +5,13 @@ Pure arithmetic on a `ModelShape`; `mea-model-size` is the command line over it.
 `E` routed experts, `k` top-k, `f` dense FFN width, `fe` expert width, `V` padded vocab, `s` sequence.
 
 What is counted (Megatron-Core's GPTModel, the parameters a checkpoint holds):
-- embedding `V*h` (+ `s*h` for learned absolute positions); output layer `V*h` unless tied;
+- embedding `V*h` (+ `max_position_embeddings*h` for learned absolute positions, Megatron-LM's
+  default; RoPE has no parameters); output layer `V*h` unless tied;
 - per layer: input norm, `linear_qkv` `h*(np + 2*nkv)*hn` with `nkv = nc` for MEA (the projection
   produces component heads) and `ng` otherwise, `linear_proj` `np*hn*h`, q/k norms `2*hn`,
   MEA `head_mix` `2*nc*ng` and `head_norm` `np*hn`, KHA `hn^2` per target (`linear`, `gate`) or
   `3*hn^2` (`mlp`), pre-MLP norm, then a dense MLP `(2 if swiglu else 1)*h*f + f*h` or, on MoE layers, a
-  router `h*E`, `E` experts of `(2|1)*h*fe + fe*h` and the shared expert if any;
+  router `h*E` (+ `E` biases), `E` experts of `(2|1)*h*fe + fe*h` and the shared expert if any;
 - a final norm `h`. Biases where `add_bias_linear` / `add_qkv_bias`; LayerNorm counts weight+bias.
 MTP layers are not counted. Active parameters count `k` of the `E` routed experts per MoE layer.
 
@@ -18,7 +19,8 @@ Training FLOPs per token follow Megatron-LM's `num_floating_point_operations` co
 `3 * (forward)` where forward is `2 * (active matmul parameters)` (input embedding and norms
 excluded, output layer and router included) plus causal attention `2 * 2 * np * hn * s / 2` per
 layer, plus the variants' own small matmuls (HLC `2 * 2*nc*ng*hn`, KHA `2*hn^2` per head, target
-and matrix).
+and matrix). `layer_forward_flops` gives one layer's forward terms; with `causal=False` they are
+the KHA paper's Section 3.4 terms per token (its eqs. 10-12 count the full `s x s` scores).
 KV-cache bytes per token: `2 (K and V) * L * nkv * hn * bytes_per_element`; MEA with virtual heads
 caches only the `nc` components, plus (with an RMS k norm) one inverse RMS per composite key
 (`ng` scalars per token and layer, in the cache dtype); with a LayerNorm k norm the composites
@@ -140,6 +142,37 @@ def variant_forward_flops(shape: ModelShape, layer: int = 0) -> int:
     return 0
 
 
+def layer_forward_flops(shape: ModelShape, layer: int = 0, causal: bool = True) -> dict:
+    """Forward FLOPs per token of 0-based `layer`, 2 per multiply-add, by term.
+
+    Args:
+        shape: the model.
+        layer: the layer.
+        causal: count half of the `s x s` attention scores (Megatron-LM's convention) or all of
+            them (the KHA paper's eq. 10). Default: True.
+
+    Returns:
+        dict with `projections` (q/k/v/o matmuls), `attention` (scores and scores times V over
+        the sequence), `mlp` (the dense MLP, or router, shared expert and `k` routed experts)
+        and `variant` (`variant_forward_flops`).
+    """
+    h = shape.hidden_size
+    if shape.is_moe_layer(layer):
+        shared = (_mlp(shape, shape.moe_shared_expert_intermediate_size)
+                  if shape.moe_shared_expert_intermediate_size else 0)
+        mlp = (h * shape.num_experts + shared
+               + shape.moe_router_topk * _mlp(shape, shape.moe_ffn_hidden_size))
+    else:
+        mlp = _mlp(shape, shape.ffn_hidden_size)
+    scores = 2 * 2 * shape.num_attention_heads * shape.kv_channels * shape.seq_length
+    return {
+        "projections": 2 * attention_params(shape, layer)["matmul"],
+        "attention": scores // 2 if causal else scores,
+        "mlp": 2 * mlp,
+        "variant": variant_forward_flops(shape, layer),
+    }
+
+
 def kv_cache_elements(shape: ModelShape, layer: int = 0) -> int:
     """Cache elements per token of 0-based `layer`: K and V of the heads the cache holds, plus
     the key scales of MEA's component cache (the layout of `layers/kv_cache.py`).
@@ -166,41 +199,43 @@ def model_size(shape: ModelShape, bytes_per_element: int = 2) -> dict:
         bytes_per_element: KV-cache element size (2 for bf16, 1 for fp8). Default: 2.
 
     Returns:
-        dict with `total_params`, `active_params`, `embedding_params`, `expert_params`,
-        `training_flops_per_token`, `kv_cache_bytes_per_token`, `kv_heads_stored`.
+        dict with `total_params`, `active_params`, `embedding_params` (of which
+        `position_embedding_params`: learned absolute positions, Megatron-LM's default
+        `--position-embedding-type`), `expert_params`, `training_flops_per_token`,
+        `kv_cache_bytes_per_token`, `kv_heads_stored`.
     """
     h, V = shape.hidden_size, shape.vocab_size
-    embedding = V * h + (shape.seq_length * h if shape.position_embedding_type == "learned_absolute" else 0)
+    positions = 0
+    if shape.position_embedding_type == "learned_absolute":
+        positions = derived_sizes(shape)["max_position_embeddings"] * h
+    embedding = V * h + positions
     output = V * h if shape.untie_embeddings_and_output_weights else 0
     total = active = embedding + output + _norm(shape, h)
-    matmul_active = output if output else V * h  # a tied output layer still multiplies
-    experts_total = variant_flops = 0
+    # A tied output layer still multiplies.
+    forward = 2 * (output if output else V * h)
+    experts_total = 0
     for layer in range(shape.num_layers):
         attn = attention_params(shape, layer)
-        variant_flops += variant_forward_flops(shape, layer)
+        forward += sum(layer_forward_flops(shape, layer).values())
         layer_params = attn["matmul"] + attn["extra"] + _norm(shape, h)
-        layer_matmul = attn["matmul"]
         if shape.is_moe_layer(layer):
             expert = _mlp(shape, shape.moe_ffn_hidden_size)
             shared = (_mlp(shape, shape.moe_shared_expert_intermediate_size)
                       if shape.moe_shared_expert_intermediate_size else 0)
-            router = h * shape.num_experts
+            # Megatron's router has a bias per expert when the linears have biases.
+            router = (h + (1 if shape.add_bias_linear else 0)) * shape.num_experts
             experts_total += shape.num_experts * expert
             total += layer_params + router + shared + shape.num_experts * expert
             active += layer_params + router + shared + shape.moe_router_topk * expert
-            layer_matmul += router + shared + shape.moe_router_topk * expert
         else:
             mlp = _mlp(shape, shape.ffn_hidden_size)
             total += layer_params + mlp
             active += layer_params + mlp
-            layer_matmul += mlp
-        matmul_active += layer_matmul
-    attention_flops = 2 * 2 * shape.num_attention_heads * shape.kv_channels * shape.seq_length / 2
-    forward = 2 * matmul_active + shape.num_layers * attention_flops + variant_flops
     return {
         "total_params": total,
         "active_params": active,
         "embedding_params": embedding + output,
+        "position_embedding_params": positions,
         "expert_params": experts_total,
         "training_flops_per_token": int(3 * forward),
         "kv_cache_bytes_per_token": bytes_per_element * sum(

@@ -54,6 +54,7 @@ SLOW = (
     "tests/training/test_reliability.py",
     "tests/training/test_resharding.py",
     "tests/training/test_lr_sweep.py",
+    "tests/training/test_reproduce.py",
     "tests/training/test_gpu_configuration.py",
     "tests/inference/test_tensor_parallel.py",
     "tests/inference/test_imported_checkpoint.py",
@@ -82,6 +83,7 @@ ONE_RELEASE = {
     # run-directory locks, console-script entry points, torchrun's multi-agent launch, the
     # lm-eval harness on an export: the application code around Megatron-Core.
     "tests/training/test_lr_sweep.py": "0.16",
+    "tests/training/test_reproduce.py": "0.16",
     "tests/test_bench_attention.py": "0.16",
     "tests/training/test_run_directories.py": "0.16",
     "tests/test_console_scripts.py": "0.16",

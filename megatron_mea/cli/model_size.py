@@ -67,6 +67,11 @@ def main(argv=None) -> int:
           f"({size['total_params'] / 1e9:.3f}B)")
     print(f"active parameters:      {size['active_params']:>16,d}  "
           f"({size['active_params'] / 1e9:.3f}B)")
+    if size["position_embedding_params"]:
+        # Megatron-LM's default; a RoPE model (Llama, Qwen, the papers' models) names it.
+        print(f"  of which learned positions: {size['position_embedding_params']:,d} "
+              f"(--position-embedding-type {shape.position_embedding_type}; "
+              "RoPE has no parameters)")
     print(f"training FLOPs / token: {size['training_flops_per_token']:>16,d}")
     print(f"KV-cache bytes / token: {size['kv_cache_bytes_per_token']:>16,d}")
     return 0

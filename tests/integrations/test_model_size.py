@@ -102,3 +102,53 @@ def test_cli_takes_launch_flags(capsys):
     assert code == 0 and size["kv_cache_bytes_per_token"] == 24576 + 24 * 4 * 2
     expected = ModelShape(**KHA_6B, attention_variant="mea", mea_num_kv_components=2)
     assert size == model_size(expected)
+
+
+def test_cli_counts_learned_positions_unless_rope_is_named(capsys):
+    # KHA Table 3's 880M GQA row (tests/test_paper_numbers.py) from launch flags: Megatron-LM's
+    # default --position-embedding-type is learned_absolute, which adds seq_length x hidden
+    # parameters (886.6M); the paper's Qwen3-style layers use RoPE, which has none (880.3M).
+    from megatron_mea.cli.model_size import main
+
+    flags = ["--num-layers", "18", "--hidden-size", "1536", "--num-attention-heads", "32",
+             "--group-query-attention", "--num-query-groups", "4", "--kv-channels", "128",
+             "--swiglu", "--num-experts", "64", "--moe-router-topk", "4",
+             "--moe-ffn-hidden-size", "1152", "--qk-layernorm", "--normalization", "RMSNorm",
+             "--disable-bias-linear", "--seq-length", "4096", "--vocab-size", "157184"]
+    active = {}
+    for positions in ([], ["--position-embedding-type", "rope"]):
+        assert main(flags + positions) == 0
+        out = capsys.readouterr().out
+        count = out.split("active parameters:")[1].split()[0]
+        active[bool(positions)] = int(count.replace(",", ""))
+        assert ("of which learned positions: 6,291,456" in out) == (not positions)
+    assert round(active[True] / 1e6, 1) == 880.3
+    assert active[False] - active[True] == 4096 * 1536
+    assert round(active[False] / 1e6, 1) == 886.6
+
+
+@pytest.mark.parametrize("fields", [
+    dict(),
+    dict(position_embedding_type="learned_absolute", max_position_embeddings=96,
+         normalization="LayerNorm", add_bias_linear=True, untie_embeddings_and_output_weights=False),
+    dict(attention_variant="mea", mea_num_kv_components=2),
+    dict(attention_variant="kha", kha_variant="mlp", kha_targets=("q", "v"), num_experts=None),
+    dict(attention_variant="kha", kha_variant="linear", moe_shared_expert_intermediate_size=48,
+         moe_layer_freq=[1, 0]),
+], ids=["baseline-moe", "learned-positions-layernorm-biases-tied", "mea-nc2", "kha-mlp-dense",
+        "kha-linear-shared-expert"])
+def test_total_is_what_megatron_builds(single_rank, fields):
+    # The count the paper tests compare against is the parameters of the GPTModel Megatron-Core
+    # builds from the same description (the checkpoint's tensors).
+    from megatron_mea.gpt import build_model, transformer_config
+    from megatron_mea.model_args import MODEL_FIELDS, RunArgs
+
+    args = RunArgs(**{**dict(num_layers=2, hidden_size=64, num_attention_heads=8,
+                             num_query_groups=4, seq_length=64, vocab_size=300, num_experts=4,
+                             moe_ffn_hidden_size=32), **fields})
+    model = build_model(args, transformer_config(args), pre_process=True, post_process=True)
+    built = sum(p.numel() for p in model.parameters())
+    # ModelShape counts the padded vocabulary (the embedding's rows).
+    shape = ModelShape(**{**{name: getattr(args, name) for name in MODEL_FIELDS},
+                          "vocab_size": args.padded_vocab_size})
+    assert model_size(shape)["total_params"] == built
