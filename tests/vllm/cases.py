@@ -15,6 +15,7 @@ class Case:
     components: Optional[int] = None  # MEA nc < ng (4 K/V heads): compressed from the baseline
     options: dict = dataclasses.field(default_factory=dict)
     head_dim: int = 32  # 32-256 for vLLM's CPU attention
+    context: int = 256  # max_position_embeddings
 
 
 CASES = (

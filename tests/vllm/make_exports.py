@@ -19,12 +19,12 @@ import sys
 from tests.vllm.cases import CASES
 
 
-def hf_model(family, seed=0, head_dim=32):
+def hf_model(family, seed=0, head_dim=32, context=256):
     """A tiny random fp32 HF model of `family` sized for vLLM's CPU attention."""
     from tests.checkpoint._hf_models import build_hf_model
 
     sizes = dict(vocab_size=128, hidden_size=128, intermediate_size=192, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=head_dim, max_position_embeddings=256)
+                 num_key_value_heads=4, head_dim=head_dim, max_position_embeddings=context)
     if family == "qwen3_moe":
         sizes.update(moe_intermediate_size=96)
     if family == "mixtral":
@@ -47,7 +47,7 @@ def build_case(case, root):
         return out
     work = os.path.join(root, "_work", case.name)
     shutil.rmtree(work, ignore_errors=True)  # what an interrupted run left
-    hf_dir = save_hf_model(hf_model(case.family, head_dim=case.head_dim), os.path.join(work, "hf"))
+    hf_dir = save_hf_model(hf_model(case.family, head_dim=case.head_dim, context=case.context), os.path.join(work, "hf"))
     source = os.path.join(work, "megatron")
     if case.components is None:
         import_hf_checkpoint(hf_dir, source, attention_variant=case.variant, **case.options)

@@ -26,8 +26,9 @@ ENV = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="no
            # `_serve` sends its KV-cache probe (a function of its own) to the workers.
            VLLM_ALLOW_INSECURE_SERIALIZATION="1")
 # Served at TP=2 too: the component cache (replicated components, split query heads and head
-# norm), and KHA with the fused MoE split over the ranks.
-TP2_CASES = ("qwen2-mea-nc2-norm", "qwen3_moe-kha-mlp")
+# norm), the scaled-components cache (each rank the scales of its composite keys), and KHA with
+# the fused MoE split over the ranks.
+TP2_CASES = ("qwen2-mea-nc2-norm", "qwen3-mea-nc2", "qwen3_moe-kha-mlp")
 
 
 def export_dir(name):
