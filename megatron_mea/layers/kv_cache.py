@@ -19,7 +19,6 @@ batch slice, `n` cached heads (`nc_loc`, all `nc` when duplicated, or `ng_loc`),
 """
 
 import dataclasses
-import enum
 from typing import Optional
 
 import torch
@@ -27,7 +26,8 @@ from megatron.core.tensor_parallel.mappings import reduce_scatter_to_sequence_pa
 from megatron.core.transformer.torch_norm import L2Norm
 
 from megatron_mea._optional import transformer_engine_class
-from megatron_mea.ops.decode import (
+from megatron_mea.ops.decode import (  # noqa: F401  (CacheKind: this module's kinds)
+    CacheKind,
     component_attention,
     component_scores,
     component_values,
@@ -36,18 +36,6 @@ from megatron_mea.ops.decode import (
     softmax_scores,
 )
 from megatron_mea.parallel import gather_rows
-
-
-class CacheKind(enum.Enum):
-    """What an MEA layer caches (the module docstring says when each is chosen)."""
-
-    COMPOSITES = "composites"
-    COMPONENTS = "components"
-    SCALED_COMPONENTS = "scaled components"
-
-    @property
-    def holds_components(self) -> bool:
-        return self is not CacheKind.COMPOSITES
 
 
 @dataclasses.dataclass(frozen=True)

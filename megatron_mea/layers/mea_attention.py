@@ -221,14 +221,9 @@ class MEASelfAttention(_SplitSelfAttention):
     # ---- inference -----------------------------------------------------------------------
 
     def _choose_cache_kind(self) -> CacheKind:
-        if self.num_components == self.config.num_query_groups:
-            return CacheKind.COMPOSITES  # components would save nothing and cost more per step
-        if not self.has_key_norm:
-            return CacheKind.COMPONENTS
-        # A norm with a mean or a bias (LayerNorm) does not factor out of the mix.
-        if self.key_norm_factors is None:
-            return CacheKind.COMPOSITES
-        return CacheKind.SCALED_COMPONENTS
+        key_norm = None if not self.has_key_norm else (
+            "rms" if self.key_norm_factors is not None else "other")
+        return CacheKind.choose(self.num_components, self.config.num_query_groups, key_norm)
 
     def _warn_composite_cache(self):
         if self.num_components < self.config.num_query_groups and not self._warned:

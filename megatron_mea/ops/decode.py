@@ -19,9 +19,35 @@ Caches are token-major, `[b, T, heads, hn]` (views of Megatron's `[T, B, ...]` b
 components the mixed axis `nc*hn` is the inner dim of one GEMM); `key_scales [b, ng, T]`.
 """
 
-from typing import Optional
+import enum
+from typing import Literal, Optional
 
 import torch
+
+
+class CacheKind(enum.Enum):
+    """What an MEA layer caches per token (Megatron's decoder, `layers/kv_cache.py`, and the vLLM
+    plugin, `integrations/vllm/`, choose it with `choose`)."""
+
+    COMPOSITES = "composites"
+    COMPONENTS = "components"
+    SCALED_COMPONENTS = "scaled components"
+
+    @property
+    def holds_components(self) -> bool:
+        return self is not CacheKind.COMPOSITES
+
+    @classmethod
+    def choose(cls, num_components: int, num_groups: int,
+               key_norm: Literal[None, "rms", "other"]) -> "CacheKind":
+        """The kind for `nc` components, `ng` composite heads and a k norm that is absent (None),
+        RMS-type (`"rms"`: a scale times one scalar per head) or anything else (`"other"`)."""
+        if num_components == num_groups:
+            return cls.COMPOSITES  # components would save nothing and cost more per step
+        if key_norm is None:
+            return cls.COMPONENTS
+        # A norm with a mean or a bias (LayerNorm) does not factor out of the mix.
+        return cls.SCALED_COMPONENTS if key_norm == "rms" else cls.COMPOSITES
 
 
 def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -14,17 +14,20 @@ class Case:
     variant: str  # standard / mea / kha
     components: Optional[int] = None  # MEA nc < ng (4 K/V heads): compressed from the baseline
     options: dict = dataclasses.field(default_factory=dict)
+    head_dim: int = 32  # 32-256 for vLLM's CPU attention
+    context: int = 256  # max_position_embeddings
 
 
 CASES = (
     Case("llama-baseline", "llama", "standard"),
-    Case("qwen3-baseline", "qwen3", "standard"),
+    # Head size 64, the size at which the scaled-components cache is measured against the baseline.
+    Case("qwen3-baseline", "qwen3", "standard", head_dim=64),
     # No k norm: vLLM caches the nc component heads (the mixing moves to the query side).
     Case("llama-mea-nc2", "llama", "mea", 2),
     Case("qwen2-mea-nc2-norm", "qwen2", "mea", 2, {"mea_head_norm": True}),
     Case("mixtral-mea-nc2", "mixtral", "mea", 2),
-    # An RMS k norm: the composite heads are cached.
-    Case("qwen3-mea-nc2", "qwen3", "mea", 2),
+    # An RMS k norm: the nc components and one scale per composite key and token are cached.
+    Case("qwen3-mea-nc2", "qwen3", "mea", 2, head_dim=64),
     Case("qwen3_moe-mea-nc2-norm", "qwen3_moe", "mea", 2, {"mea_head_norm": True}),
     # MEA with nc = ng (upcycled: identity mixing, perturbed) and the head norm.
     Case("llama-mea-norm", "llama", "mea", None, {"mea_head_norm": True}),

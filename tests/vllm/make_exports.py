@@ -4,14 +4,17 @@ Run with the main venv (megatron-core installed), before the tests in the vLLM v
 
     .venv/bin/python -m tests.vllm.make_exports OUT_DIR
 
-For each case: a random tiny Hugging Face model of the family (head dim 32: vLLM's CPU attention
-takes head sizes 32-256) -> `import_hf_checkpoint` (MEA / KHA upcycling) or
+For each case: a random tiny Hugging Face model of the family (the case's head dim: vLLM's CPU
+attention takes head sizes 32-256) -> `import_hf_checkpoint` (MEA / KHA upcycling) or
 `compress_checkpoint` (MEA with nc < ng components) -> the plugin's parameters moved away from
 their identity init -> `export_hf_checkpoint` (native format; plain for the baselines).
-`OUT_DIR/<case>/` is the export; existing ones are kept (the step is idempotent).
+`OUT_DIR/<case>/` is the export; one made from the same case is kept (the step is idempotent),
+one made from another version of the case is made again.
 """
 
 import argparse
+import dataclasses
+import json
 import os
 import shutil
 import sys
@@ -19,12 +22,12 @@ import sys
 from tests.vllm.cases import CASES
 
 
-def hf_model(family, seed=0):
+def hf_model(family, seed=0, head_dim=32, context=256):
     """A tiny random fp32 HF model of `family` sized for vLLM's CPU attention."""
     from tests.checkpoint._hf_models import build_hf_model
 
     sizes = dict(vocab_size=128, hidden_size=128, intermediate_size=192, num_attention_heads=8,
-                 num_key_value_heads=4, head_dim=32, max_position_embeddings=256)
+                 num_key_value_heads=4, head_dim=head_dim, max_position_embeddings=context)
     if family == "qwen3_moe":
         sizes.update(moe_intermediate_size=96)
     if family == "mixtral":
@@ -43,11 +46,17 @@ def build_case(case, root):
     from tests.checkpoint._megatron import perturb_plugin_params
 
     out = os.path.join(root, case.name)
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
+    stamp = os.path.join(root, "_work", f"{case.name}.case.json")
+    made_from = json.dumps(dataclasses.asdict(case), sort_keys=True)
+    if os.path.exists(os.path.join(out, "config.json")) and os.path.exists(stamp):
+        with open(stamp, encoding="utf-8") as handle:
+            if handle.read() == made_from:
+                return out
+    shutil.rmtree(out, ignore_errors=True)  # made from another version of the case
     work = os.path.join(root, "_work", case.name)
     shutil.rmtree(work, ignore_errors=True)  # what an interrupted run left
-    hf_dir = save_hf_model(hf_model(case.family), os.path.join(work, "hf"))
+    model = hf_model(case.family, head_dim=case.head_dim, context=case.context)
+    hf_dir = save_hf_model(model, os.path.join(work, "hf"))
     source = os.path.join(work, "megatron")
     if case.components is None:
         import_hf_checkpoint(hf_dir, source, attention_variant=case.variant, **case.options)
@@ -59,6 +68,8 @@ def build_case(case, root):
         source = perturb_plugin_params(source, os.path.join(work, "trained"))
     fmt = "plain" if case.variant == "standard" else "native"
     export_hf_checkpoint(source, out, format=fmt)
+    with open(stamp, "w", encoding="utf-8") as handle:
+        handle.write(made_from)
     return out
 
 

@@ -7,9 +7,10 @@ Installed with the `vllm` extra, vLLM loads it through its `vllm.general_plugins
     LLM(model=EXPORT_DIR)
 
 serve a native export (`config.json` model type `megatron_mea_<family>`) with the classes of
-`models` (vLLM's own layers, its tensor parallelism). MEA with virtual heads and no k norm
-caches only its `nc` component heads (see `attention`). Plain exports (baseline, folded MEA /
-KHA-Linear) are stock architectures and need no plugin.
+`models` (vLLM's own layers, its tensor parallelism). MEA with virtual heads caches only its `nc`
+component heads, with an RMS k norm plus one scale per composite key (see `attention` and
+`scaled_cache`). Plain exports (baseline, folded MEA / KHA-Linear) are stock architectures and
+need no plugin.
 """
 
 from importlib.util import find_spec

@@ -13,9 +13,13 @@ KV cache, per layer and token:
   `nc*hn` (multi-query), scale `hn**-0.5`. The cache holds `nc/ng` of the baseline's bytes.
   `nc*hn` must be a head size of the attention backend (32-256 on CPU, up to 256 for
   FlashAttention).
-- MEA with virtual heads and an RMS k norm (Qwen3 families): the norm's per-token scale of each
-  composite key sits inside the softmax, which a stock cache of components cannot hold; the
-  composite heads are cached (no compression) and one warning says so.
+- MEA with virtual heads and an RMS k norm (Qwen3 families): the norm is `w` (channels) times
+  one inverse RMS `r_g` per composite key and token, which sits inside the softmax:
+  `q_h . k_g = r_g q'_h . [K_0 ... K_nc-1]` with `K_c = RoPE(w * k_c)`. The cache holds the
+  components and the `ng` scales per token, and the attention is `scaled_cache`'s (a backend of
+  its own over vLLM's paged cache): `(2*nc*hn + ng) / (2*ng*hn)` of the baseline's bytes.
+
+Which of the three is cached is `ops.decode.CacheKind.choose`, as in Megatron's decoder.
 
 Under tensor parallelism every rank computes all `nc` components (the mix needs each of them)
 with replicated `k_proj` / `v_proj`; the query heads, `o_proj` and the composite heads are split
@@ -40,6 +44,8 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+from megatron_mea.ops.decode import CacheKind, inverse_rms
 
 logger = logging.getLogger(__name__)
 
@@ -190,18 +196,26 @@ class VariantAttention(nn.Module):
         self.rotary_emb = get_rope(hn, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters, is_neox_style=True)
 
-        self.caches_components = components < groups and not qk_norm
-        if components < groups and qk_norm:
-            if rank == 0 and prefix.endswith("layers.0.self_attn"):
-                logger.warning(
-                    "MEA with an RMS k norm: its per-token scale of each composite key sits "
-                    "inside the softmax, so vLLM caches the %d composite K/V heads per layer, "
-                    "not the %d components (no KV-cache compression)", groups, components)
-        cached_heads, cached_size = (1, components * hn) if self.caches_components \
-            else (self.num_local_groups, hn)
-        self.attn = Attention(self.num_local_heads, cached_size, hn**-0.5,
-                              num_kv_heads=cached_heads, cache_config=cache_config,
-                              quant_config=quant_config, prefix=f"{prefix}.attn")
+        # vLLM's RMSNorm is the only k norm of the families served.
+        self.cache_kind = CacheKind.choose(components, groups, "rms" if qk_norm else None)
+        self.attn = self._cache_attention(cache_config, quant_config, f"{prefix}.attn")
+
+    def _cache_attention(self, cache_config, quant_config, prefix):
+        """vLLM's `Attention` over this layer's cache (module docstring): composite heads, one
+        head of `nc*hn` components, or that head with the `ng_loc` scales after its keys."""
+        hn, width = self.head_dim, self.num_components * self.head_dim
+        shared = dict(cache_config=cache_config, quant_config=quant_config, prefix=prefix)
+        if self.cache_kind is CacheKind.COMPOSITES:
+            return Attention(self.num_local_heads, hn, hn**-0.5,
+                             num_kv_heads=self.num_local_groups, **shared)
+        if self.cache_kind is CacheKind.COMPONENTS:
+            return Attention(self.num_local_heads, width, hn**-0.5, num_kv_heads=1, **shared)
+        from megatron_mea.integrations.vllm.scaled_cache import ScaledComponentsBackend
+
+        return Attention(self.num_local_heads, width + self.num_local_groups, hn**-0.5,
+                         num_kv_heads=1, head_size_v=width,
+                         attn_backend=ScaledComponentsBackend,
+                         num_scales=self.num_local_groups, **shared)
 
     def forward(self, positions, hidden_states):
         """`hidden_states [T, h]` -> `[T, h]`."""
@@ -211,10 +225,10 @@ class VariantAttention(nn.Module):
             query, key, value = self.knock(query, key, value)
         if self.q_norm is not None:
             query = self.q_norm(query)
-        if self.caches_components:
-            output = self._attend_components(positions, query, key, value)
-        else:
+        if self.cache_kind is CacheKind.COMPOSITES:
             output = self._attend_composites(positions, query, key, value)
+        else:
+            output = self._attend_components(positions, query, key, value)
         if self.head_norm is not None:
             output = self.head_norm(output)
         output, _ = self.o_proj(output.reshape(tokens, self.num_local_heads * hn))
@@ -254,12 +268,23 @@ class VariantAttention(nn.Module):
         return output.view(query.shape[0], self.num_local_heads, self.head_dim)
 
     def _attend_components(self, positions, query, key, value):
-        """The component trick (module docstring): one cached K/V head of size `nc*hn`."""
+        """The component trick (module docstring): one cached K/V head of size `nc*hn`, with
+        the scales `r_g` of this rank's composite keys after the keys (`SCALED_COMPONENTS`)."""
         tokens, hn = query.shape[0], self.head_dim
+        scaled = self.cache_kind is CacheKind.SCALED_COMPONENTS
+        if scaled:
+            local = slice(self.first_group, self.first_group + self.num_local_groups)
+            mixed = torch.einsum("tcd,cg->tgd", key, self.head_mix.key_weight[:, local])
+            scales = inverse_rms(mixed, self.k_norm.variance_epsilon).to(key.dtype)  # [T, ng]
+            key = key * self.k_norm.weight
         query, key = self._rope(positions, query, key)
         key_mix = self.head_mix.key_weight[:, self.local_group].t()  # [np_local, nc]
         value_mix = self.head_mix.value_weight[:, self.local_group].t()
         query = query.view(tokens, self.num_local_heads, 1, hn) * key_mix[None, :, :, None]
+        query = query.reshape(tokens, self.num_local_heads, -1)
+        if scaled:  # the query padded to the key row's width (the pad is not read)
+            query = nn.functional.pad(query, (0, self.num_local_groups))
+            key = torch.cat([key, scales], dim=-1)
         output = self.attn(query.reshape(tokens, -1), key, value.reshape(tokens, -1))
         output = output.view(tokens, self.num_local_heads, self.num_components, hn)
         return torch.einsum("thcd,hc->thd", output, value_mix)

@@ -1,0 +1,181 @@
+"""vLLM attention backend for MEA's scaled-components cache (`CacheKind.SCALED_COMPONENTS`).
+
+With an RMS k norm a composite key is `r_g * RoPE(w * sum_c A_k[c, g] k_c)`: the inverse RMS
+`r_g` of the mixed key is one scalar per composite key and token, and it multiplies the logit
+`q_h . k_g` inside the softmax (`ops/decode.py` has the identity). No stock kernel takes a
+per-key, per-head-group logit factor, so these layers get a backend of their own that keeps
+vLLM's paged cache (KV-cache spec, block tables, slot mapping, chunked prefill, prefix caching
+all stock) and computes the attention in torch from it.
+
+Layout: one K/V "head" per token whose key row holds the `nc` RoPE'd components `RoPE(w * k_c)`
+followed by the `ng_loc` scales `r_g` of this rank's composite keys, and whose value row holds
+the `nc` component values. `Attention(num_heads=np_loc, head_size=nc*hn + ng_loc,
+head_size_v=nc*hn, num_kv_heads=1)` gives vLLM's stock `FullAttentionSpec`, so each layer costs
+`2*nc*hn + ng_loc` values per token against the baseline's `2*ng*hn`. The query handed to the
+layer is the mixed query `q~_h = [A_k[0, g] q_h ... A_k[nc-1, g] q_h]` padded to the key row's
+width (the pad is never read); the output is `p_h @ [V_0 ... V_nc-1]`, which the model mixes
+with `A_v` as for the unscaled component cache.
+
+The torch attention loops over the requests of a batch (a gather of its blocks, one GEMM for
+the scores, the softmax of `ops.decode.softmax_scores` with the scales, one GEMM for the
+values): exact, and the CPU path. A GPU run would use a paged Triton kernel with the same
+layout (docs/inference.md, "vLLM").
+
+Shape legend: `T` tokens of the batch, `np` query heads of this rank, `ng` this rank's composite
+keys (scales per token), `C` a cache row (`nc*hn + ng` key entries, then `nc*hn` values), `S`
+positions a request has cached, `s` its new tokens, `bs` tokens per block.
+"""
+
+import dataclasses
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.kv_cache_interface import KVCacheLayout
+
+from megatron_mea.ops.decode import decode_mask, softmax_scores
+
+_NAME = "MEA_SCALED_COMPONENTS"
+
+
+@dataclasses.dataclass
+class ScaledComponentsMetadata:
+    """What the attention needs of a batch; the per-request bounds as Python ints, read once per
+    step rather than once per layer.
+
+    Attributes:
+        num_actual_tokens: tokens of the batch without padding.
+        query_starts: `[R + 1]` start of each request's new tokens in the batch.
+        seq_lens: `[R]` positions each request has cached once this step's tokens are written.
+        block_table: `[R, max_blocks]` block ids of each request.
+        slot_mapping: `[T]` cache slot of each new token (`block * bs + offset`; -1 = padding).
+    """
+
+    num_actual_tokens: int
+    query_starts: list
+    seq_lens: list
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class ScaledComponentsMetadataBuilder(AttentionMetadataBuilder[ScaledComponentsMetadata]):
+    """Builds `ScaledComponentsMetadata` from vLLM's common metadata of a batch."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> ScaledComponentsMetadata:
+        common = common_attn_metadata
+        return ScaledComponentsMetadata(
+            num_actual_tokens=common.num_actual_tokens,
+            query_starts=common.query_start_loc_cpu[:common.num_reqs + 1].tolist(),
+            seq_lens=common.seq_lens[:common.num_reqs].tolist(),
+            block_table=common.block_table_tensor,
+            slot_mapping=common.slot_mapping,
+        )
+
+
+class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
+    """Writes and reads the scaled-components rows (module docstring); `num_scales` (`ng_loc`)
+    comes through `Attention`'s extra arguments."""
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None,
+                 sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
+                 attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
+                 num_scales=None):
+        unsupported = {"num_kv_heads": (num_kv_heads, 1), "alibi_slopes": (alibi_slopes, None),
+                       "sliding_window": (sliding_window, None),
+                       "logits_soft_cap": (logits_soft_cap, None),
+                       "kv_sharing_target_layer_name": (kv_sharing_target_layer_name, None),
+                       "attn_type": (attn_type, AttentionType.DECODER),
+                       "kv_cache_dtype": (kv_cache_dtype, "auto")}
+        for name, (value, needed) in unsupported.items():
+            if value != needed:
+                raise ValueError(f"MEA's scaled-components attention: {name} ({value!r}) must "
+                                 f"be {needed!r}")
+        if not num_scales or num_heads % num_scales:
+            raise ValueError(f"num_scales ({num_scales}) must divide num_heads ({num_heads})")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads, self.kv_cache_dtype = 1, kv_cache_dtype
+        self.num_scales = num_scales
+        self.key_width = head_size - num_scales  # nc*hn
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = None
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        """Write each new token's row: `key [T, 1, nc*hn + ng]`, `value [T, 1, nc*hn]` into
+        `kv_cache [blocks, 1, bs, C]` at `slot_mapping [T]`."""
+        block_size = kv_cache.shape[2]
+        slots = slot_mapping[: key.shape[0]]
+        kept = slots >= 0
+        rows = torch.cat([key[: slots.shape[0], 0], value[: slots.shape[0], 0]], dim=-1)
+        slots, rows = slots[kept], rows[kept]
+        kv_cache[slots // block_size, 0, slots % block_size] = rows.to(kv_cache.dtype)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        """`query [T, np, nc*hn + ng]` (the mixed queries, padded) -> `output [T, np, nc*hn]`:
+        each request's new tokens against every position it has cached."""
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("MEA's scaled-components attention: no fused output "
+                                      "quantization")
+        if attn_metadata is None:  # the engine's warm-up and profiling runs
+            return output
+        meta, width = attn_metadata, self.key_width
+        block_size = kv_cache.shape[2]
+        bounds = zip(meta.query_starts[:-1], meta.query_starts[1:], meta.seq_lens)
+        for request, (start, end, cached) in enumerate(bounds):
+            if end == start:
+                continue
+            blocks = meta.block_table[request, : -(-cached // block_size)]
+            rows = kv_cache[blocks, 0].reshape(-1, kv_cache.shape[-1])[:cached]  # [S, C]
+            keys, scales = rows[:, :width], rows[:, width:self.head_size]
+            values = rows[:, self.head_size:]
+            mixed = query[start:end, :, :width].transpose(0, 1)  # [np, s, nc*hn]
+            scores = torch.matmul(mixed, keys.t().to(mixed.dtype))[None]  # [1, np, s, S]
+            probs = softmax_scores(scores, self.scale, scales.t()[None],
+                                   decode_mask(end - start, cached, scores.device))
+            output[start:end] = torch.matmul(probs[0], values.to(probs.dtype)).transpose(0, 1)
+        return output
+
+
+class ScaledComponentsBackend(AttentionBackend):
+    """vLLM's view of the scaled-components attention: a stock `FullAttentionSpec` (its
+    `head_size`, `head_size_v` as the module docstring says), any block size and head size."""
+
+    forward_includes_kv_cache_update = False
+    supported_dtypes = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes = ["auto"]
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None):
+        return [MultipleOf(1)]
+
+    @staticmethod
+    def get_name() -> str:
+        return _NAME
+
+    @staticmethod
+    def get_impl_cls():
+        return ScaledComponentsImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return ScaledComponentsMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        # Rows are read per (block, token): any layout with the layer outermost works.
+        return (KVCacheLayout.LBHNC,)
+
+
+if _NAME not in AttentionBackendEnum.__members__:  # `Attention` looks its backend up by name
+    AttentionBackendEnum.register(_NAME, f"{__name__}.ScaledComponentsBackend")
