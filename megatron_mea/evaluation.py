@@ -63,7 +63,8 @@ def _checkpoint_tokenizer_type(load_dir: str) -> Optional[str]:
 
 
 def export_for_evaluation(load_dir: str, save_dir: str, tokenizer: Optional[str] = None,
-                          format: str = "auto") -> str:  # noqa: A002 -- the CLI flag's name
+                          format: str = "auto",  # noqa: A002 -- the CLI flag's name
+                          iteration: Optional[int] = None) -> str:
     """Export `load_dir` to `save_dir` in fp32 with a tokenizer; returns the export's format.
 
     Args:
@@ -71,13 +72,15 @@ def export_for_evaluation(load_dir: str, save_dir: str, tokenizer: Optional[str]
             None: the export's own tokenizer files, else `byte-level` for checkpoints trained
             with `ByteLevelTokenizer`.
         format: `auto`, `plain` or `native` (`export_hf_checkpoint`).
+        iteration: the checkpoint to export. Default: the latest.
     """
     import torch
 
     from megatron_mea.cpu import megatron_on_cpu
 
     with megatron_on_cpu():  # the export builds the Megatron model (on `meta`) to read shapes
-        written = export_hf_checkpoint(load_dir, save_dir, format=format, dtype=torch.float32)
+        written = export_hf_checkpoint(load_dir, save_dir, format=format, dtype=torch.float32,
+                                       iteration=iteration)
     with open(os.path.join(save_dir, "config.json"), encoding="utf-8") as handle:
         vocab_size = json.load(handle)["vocab_size"]
     byte_level_fits = vocab_size >= BYTE_LEVEL_VOCAB
@@ -107,6 +110,7 @@ def evaluate_checkpoint(
     load_dir: str,
     tasks: Sequence[str],
     *,
+    iteration: Optional[int] = None,
     include_path: Optional[str] = None,
     tokenizer: Optional[str] = None,
     export_dir: Optional[str] = None,
@@ -120,7 +124,8 @@ def evaluate_checkpoint(
     """Export the checkpoint and evaluate it with lm-evaluation-harness.
 
     Args:
-        load_dir: Megatron checkpoint root.
+        load_dir: Megatron checkpoint root, or one of its `iter_XXXXXXX` folders.
+        iteration: the checkpoint to evaluate. Default: the latest.
         tasks: harness task names (or names of tasks under `include_path`).
         include_path: a directory of extra YAML tasks.
         tokenizer: as `export_for_evaluation`.
@@ -142,7 +147,7 @@ def evaluate_checkpoint(
 
     with tempfile.TemporaryDirectory(prefix="mea-eval-") as scratch:
         directory = export_dir or os.path.join(scratch, "hf")
-        written = export_for_evaluation(load_dir, directory, tokenizer, format)
+        written = export_for_evaluation(load_dir, directory, tokenizer, format, iteration)
         logger.info("exported %s as a %s HF model to %s", load_dir, written, directory)
         return lm_eval.simple_evaluate(
             model="hf",

@@ -59,6 +59,7 @@ SLOW = (
     "tests/inference/test_imported_checkpoint.py",
     "tests/inference/test_cli.py",
     "tests/checkpoint/test_cli.py",
+    "tests/checkpoint/test_evaluation.py::test_cli_loads_an_older_checkpoint",
     "tests/test_gpu_acceptance.py::test_cpu_smoke_on_a_simulated",
     "tests/test_config_fuzz.py",
     "tests/test_bench_attention.py",

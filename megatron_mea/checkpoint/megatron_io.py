@@ -37,6 +37,7 @@ from megatron_mea.checkpoint.checks import (
     ConversionError,
     checkpoint_dir,
     latest_iteration,
+    split_checkpoint_path,
     verify_checkpoint,
 )
 from megatron_mea.checkpoint.megatron_lm_io import common_state_types, megatron_lm_run_args
@@ -111,7 +112,9 @@ class ModelDescription:
     def load(cls, root: str) -> "ModelDescription":
         """Read the description of the checkpoint directory `root`: `config.yaml` of
         `mea-pretrain` or of this tool, else the arguments a Megatron-LM run saved in the
-        checkpoint (`megatron_mea.checkpoint.megatron_lm_io`)."""
+        checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). `root` may name one of its
+        `iter_XXXXXXX` folders."""
+        root, _ = split_checkpoint_path(root)
         path = os.path.join(root, "config.yaml")
         if not os.path.exists(path):
             description = cls(megatron_lm_run_args(root))
@@ -224,7 +227,9 @@ def expected_shapes(description: ModelDescription) -> Dict[str, Tuple[int, ...]]
 
 
 def resolve_checkpoint(root: str, iteration: Optional[int] = None) -> str:
-    """The `iter_XXXXXXX` directory of `root` (the latest unless `iteration` is given)."""
+    """The `iter_XXXXXXX` directory of `root` (the latest unless `iteration` is given; `root`
+    may name the folder itself)."""
+    root, iteration = split_checkpoint_path(root, iteration)
     if iteration is None:
         iteration = latest_iteration(root)
         if iteration is None:

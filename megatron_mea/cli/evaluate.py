@@ -22,7 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mea-eval", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--load", required=True, help="Megatron checkpoint root")
+    parser.add_argument("--load", required=True,
+                        help="Megatron checkpoint root or one of its iter_XXXXXXX folders")
+    parser.add_argument("--iteration", "--ckpt-step", dest="iteration", type=int,
+                        help="checkpoint iteration. Default: the latest")
     parser.add_argument("--tasks", nargs="+", required=True, help="lm-evaluation-harness tasks")
     parser.add_argument("--include-path", help="directory of extra YAML tasks")
     parser.add_argument("--tokenizer",
@@ -46,7 +49,7 @@ def main(argv=None) -> int:
 
     try:
         results = evaluate_checkpoint(
-            args.load, args.tasks, include_path=args.include_path, tokenizer=args.tokenizer,
+            args.load, args.tasks, iteration=args.iteration, include_path=args.include_path, tokenizer=args.tokenizer,
             export_dir=args.export_dir, format=args.format, batch_size=args.batch_size,
             device=args.device, limit=args.limit, num_fewshot=args.num_fewshot,
         )

@@ -20,30 +20,21 @@ Three rules, checked on rank 0 before any model is built (`claim_run_directories
 import fcntl
 import logging
 import os
-import re
 import socket
 import time
 from typing import Optional, Tuple
 
-from megatron_mea.checkpoint.checks import TRACKER, latest_iteration
+from megatron_mea.checkpoint.checks import TRACKER, latest_iteration, saved_iterations
 from megatron_mea.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
 LOCK = "mea-pretrain.lock"
 METRICS = "metrics.jsonl"
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 class RunDirectoryError(ValueError):
     """A `--save` or `--load` directory this run must not use as asked (one line)."""
-
-
-def saved_iterations(root: str) -> list:
-    """The iterations of the `iter_XXXXXXX` directories under `root`, ascending."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m)
 
 
 class SaveLock:

@@ -26,6 +26,11 @@ def test_import_and_export_through_the_command_line(checkpoints, tmp_path, capsy
     exported = load_file(os.path.join(out, "model.safetensors"))
     assert sorted(original) == sorted(exported)  # identity KHA folds away exactly
     assert all((original[k] == exported[k]).all() for k in original)
+    # --load may name the iter_XXXXXXX folder (as mea-generate and mea-eval take it)
+    folder = str(tmp_path / "hf-from-folder")
+    assert main(["--quiet", "export-hf", "--load", f"{meg}/iter_0000000", "--save", folder]) == 0
+    again = load_file(os.path.join(folder, "model.safetensors"))
+    assert all((again[k] == exported[k]).all() for k in exported)
 
 
 def test_layouts_the_model_cannot_take_are_refused_at_import(checkpoints, tmp_path, capsys):
