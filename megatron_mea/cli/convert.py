@@ -80,8 +80,9 @@ def _export_hf(args):
 
 def _compress(args):
     from megatron_mea.checkpoint import compress_checkpoint
+    from megatron_mea.checkpoint.compress import kv_heads_per_layer
 
-    compress_checkpoint(
+    target = compress_checkpoint(
         args.load,
         args.save,
         args.num_kv_components,
@@ -89,7 +90,8 @@ def _compress(args):
         mea_head_norm=args.mea_head_norm,
         iteration=args.iteration,
     )
-    print(f"wrote {args.save} (MEA, {args.num_kv_components} K/V components per layer)")
+    written = kv_heads_per_layer(target.transformer_config(meta=True))
+    print(f"wrote {args.save} (MEA; K/V heads per layer, cached: {written})")
 
 
 def _probe(args):
