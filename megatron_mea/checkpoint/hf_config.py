@@ -32,6 +32,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 VARIANT_FIELDS = tuple(name for name in fields_of_scope("model") if not name.endswith("_per_layer"))
 
 
+# Training settings that the HF configs of every family (or of the MoE families) also carry:
+# (RunArgs field, HF config field, MoE families only). An export writes them and an import reads
+# them back, so continued pretraining after a round trip trains as the run did (transformers'
+# own default router_aux_loss_coef is 0.001, Megatron's moe_aux_loss_coeff 0.01).
+HF_TRAINING_FIELDS = (
+    ("init_method_std", "initializer_range", False),
+    ("attention_dropout", "attention_dropout", False),
+    ("moe_aux_loss_coeff", "router_aux_loss_coef", True),
+)
+
+
 def non_stock_router(config) -> Optional[Tuple[str, object]]:
     """(field, value) of the first router setting of `config` (an `MEATransformerConfig`) that
     no stock transformers family computes, or None (`router_outside_stock`)."""
@@ -266,7 +277,6 @@ def description_from_hf(
         rotary_base=int(theta) if theta.is_integer() else theta,
         use_rope_scaling=scaling is not None,
         rope_scaling_factor=scaling or RunArgs.rope_scaling_factor,
-        init_method_std=getattr(config, "initializer_range", 0.02),
         num_experts=None,
         **variant,
         bf16=dtype == torch.bfloat16,
@@ -276,6 +286,8 @@ def description_from_hf(
         add_qkv_bias=fam.add_qkv_bias,
         **(parallel or {}),
     )
+    fields.update({name: getattr(config, hf_name) for name, hf_name, moe in HF_TRAINING_FIELDS
+                   if hasattr(config, hf_name) and (fam.moe is not None or not moe)})
     if tokenizer_dir:
         fields.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
     if fam.moe is not None:
@@ -284,7 +296,6 @@ def description_from_hf(
             moe_router_topk=config.num_experts_per_tok,
             moe_ffn_hidden_size=getattr(config, "moe_intermediate_size", config.intermediate_size),
             moe_layer_freq=1 if all(moe_layers) else [int(m) for m in moe_layers],
-            moe_aux_loss_coeff=getattr(config, "router_aux_loss_coef", 1e-2),
             # Mixtral and Qwen3-MoE with norm_topk_prob renormalise the top-k probabilities, which
             # is Megatron's top-k-then-softmax; otherwise softmax over all experts, then top-k.
             moe_router_pre_softmax=fam.name == "qwen3_moe" and not config.norm_topk_prob,
@@ -367,6 +378,8 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
         tie_word_embeddings=not args.untie_embeddings_and_output_weights,
         hidden_act="silu",
     )
+    template.update({hf_name: getattr(args, name) for name, hf_name, moe in HF_TRAINING_FIELDS
+                     if fam.moe is not None or not moe})
     template.pop("rope_theta", None)
     template.pop("rope_scaling", None)
     template["rope_parameters"] = rope_parameters(args, theta)
