@@ -17,43 +17,12 @@ from typing import Optional, Sequence
 
 from megatron_mea.checkpoint import export_hf_checkpoint
 from megatron_mea.checkpoint.hf_io import has_tokenizer
+from megatron_mea.data.tokenizers import ByteLevelTokenizer
 
 logger = logging.getLogger(__name__)
 
 BYTE_LEVEL = "byte-level"
-EOD_TEXT = "<eod>"
-BYTE_LEVEL_VOCAB = 257  # 256 bytes and <eod>
-
-
-def _bytes_to_unicode() -> dict:
-    """GPT-2's printable stand-in character of every byte (what HF's ByteLevel pre-tokenizer
-    emits), `{byte: char}`."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-def save_byte_level_tokenizer(directory: str) -> None:
-    """Write an HF tokenizer equal to the package's `ByteLevelTokenizer` into `directory`:
-    UTF-8 byte `b` is id `b`, `<eod>` (id 256) is the end-of-sequence token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {char: b for b, char in _bytes_to_unicode().items()}
-    vocab[EOD_TEXT] = 256
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOD_TEXT)
-    fast.add_special_tokens({"eos_token": EOD_TEXT})
-    fast.save_pretrained(directory)
+BYTE_LEVEL_VOCAB = ByteLevelTokenizer().vocab_size  # 256 bytes and <eod>
 
 
 def _checkpoint_tokenizer_type(load_dir: str) -> Optional[str]:
@@ -98,7 +67,7 @@ def export_for_evaluation(load_dir: str, save_dir: str, tokenizer: Optional[str]
                 f"--tokenizer byte-level needs a vocabulary of >= {BYTE_LEVEL_VOCAB} ids; "
                 f"{load_dir} has {vocab_size}"
             )
-        save_byte_level_tokenizer(save_dir)
+        ByteLevelTokenizer().save_hf(save_dir)
     elif tokenizer is not None:
         from transformers import AutoTokenizer
 

@@ -19,6 +19,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from megatron_mea.checkpoint.hf_families import FAMILIES, Family, family
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
+from megatron_mea.data.tokenizers import ByteLevelTokenizer
 from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS, router_outside_stock
 from megatron_mea.model_args import RUN_FIELDS, RunArgs, derived_sizes
 from megatron_mea.variant import fields_of_scope
@@ -41,6 +42,13 @@ HF_TRAINING_FIELDS = (
     ("attention_dropout", "attention_dropout", False),
     ("moe_aux_loss_coeff", "router_aux_loss_coef", True),
 )
+
+
+def byte_level_run(description: ModelDescription) -> bool:
+    """Whether the model was trained from scratch on `ByteLevelTokenizer` ids (an import keeps
+    the tokenizer files of its HF source instead): its export gets the equal HF tokenizer and
+    `<eod>` as the end-of-sequence token."""
+    return description.args.tokenizer_type == "ByteLevelTokenizer" and not description.hf_config
 
 
 def non_stock_router(config) -> Optional[Tuple[str, object]]:
@@ -408,5 +416,7 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
             template.update(num_local_experts=config.num_moe_experts)
     if without_qk_norm:
         template["qk_layernorm"] = False
+    if byte_level_run(description):  # HF generate stops at the end of a document
+        template["eos_token_id"] = ByteLevelTokenizer.EOD
     template["dtype"] = "bfloat16" if args.bf16 else "float32"
     return fam, template
