@@ -59,6 +59,17 @@ def saved_iterations(root: str) -> list:
     return sorted(int(m.group(1)) for m in map(ITER_DIR.match, os.listdir(root)) if m)
 
 
+def missing_checkpoint(directory: str) -> str:
+    """The one line for an `iter_XXXXXXX` directory that does not exist: that its run directory
+    does not exist either, or which iterations are saved there."""
+    root = os.path.dirname(directory)
+    if not os.path.isdir(root):
+        return f"{root}: no such directory"
+    found = saved_iterations(root)
+    saved = ", ".join(map(str, found)) if found else "none"
+    return f"{directory}: no such checkpoint (iterations saved there: {saved})"
+
+
 def split_checkpoint_path(path: str, iteration: Optional[int] = None
                           ) -> Tuple[str, Optional[int]]:
     """(run directory, iteration) of a `--load` that names a run directory or one of its
@@ -120,7 +131,7 @@ def verify_checkpoint(directory: str, model) -> None:
             file also the older complete checkpoint and how to load it (`--ckpt-step`).
     """
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: checkpoint directory is missing")
+        raise CheckpointError(missing_checkpoint(directory))
     for name in ("metadata.json", ".metadata"):
         if not os.path.exists(os.path.join(directory, name)):
             raise CheckpointError(f"{os.path.join(directory, name)}: missing (partial checkpoint)")

@@ -316,7 +316,7 @@ def compress_checkpoint(
                         tensors[norm] = upcycle_init(norm, shape, dtype)
                     if not target_config.mea_head_norm:
                         tensors.pop(norm, None)
-                logger.info("compressed layer %d", layer)
+                    logger.info("compressed layer %d", layer)
                 yield tensors
 
         write_checkpoint(save_dir, target, produce())

@@ -39,6 +39,7 @@ from megatron_mea.checkpoint.megatron_io import (
     ModelDescription,
     converter_process,
     expected_shapes,
+    layer_name,
 )
 from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
 from megatron_mea.checkpoint.variants import fold_layer, foldable
@@ -250,6 +251,6 @@ def _write_weights(load_dir, save_dir, description, fam, fmt, dtype, iteration,
                     f"no {fmt} export rule for {sorted(tensors)[0]!r} of the {fam.name} family"
                 )
             writer.add({k: v.to(dtype) if dtype else v for k, v in hf.items()})
-            logger.info("exported layer %d (%.1f s)", layer, time.perf_counter() - started)
+            logger.info("exported %s (%.1f s)", layer_name(layer), time.perf_counter() - started)
         writer.close()
     return saved_dtype

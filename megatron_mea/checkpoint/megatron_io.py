@@ -37,6 +37,7 @@ from megatron_mea.checkpoint.checks import (
     ConversionError,
     checkpoint_dir,
     latest_iteration,
+    missing_checkpoint,
     split_checkpoint_path,
     verify_checkpoint,
 )
@@ -115,6 +116,8 @@ class ModelDescription:
         checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). `root` may name one of its
         `iter_XXXXXXX` folders."""
         root, _ = split_checkpoint_path(root)
+        if not os.path.isdir(root):
+            raise ConversionError(f"{root}: no such directory")
         path = os.path.join(root, "config.yaml")
         if not os.path.exists(path):
             description = cls(megatron_lm_run_args(root))
@@ -210,6 +213,11 @@ def layer_of(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
+def layer_name(layer: int) -> str:
+    """How a console line names a `layer_of` group: `layer N`, or what -1 holds."""
+    return f"layer {layer}" if layer >= 0 else "the embedding, final norm and output layer"
+
+
 def tensor_entries(sharded: Dict) -> Dict[str, object]:
     """State-dict name -> `ShardedTensor` / `ShardedTensorFactory` of a model's sharded state
     dict (the same objects: setting their `data` fills `sharded`)."""
@@ -236,7 +244,7 @@ def resolve_checkpoint(root: str, iteration: Optional[int] = None) -> str:
             raise ConversionError(f"{root}: no {TRACKER} (not a checkpoint directory)")
     directory = checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
-        raise ConversionError(f"{directory}: missing")
+        raise ConversionError(missing_checkpoint(directory))
     return directory
 
 

@@ -61,6 +61,8 @@ def resolve_checkpoint(path: str, iteration: int | None = None):
         ValueError: when `iteration` contradicts an `iter_XXXXXXX` path.
     """
     root, iteration = checks.split_checkpoint_path(os.path.abspath(path), iteration)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root}: no such directory")
     if iteration is None:
         iteration = checks.latest_iteration(root)
     if iteration is None:
@@ -70,7 +72,7 @@ def resolve_checkpoint(path: str, iteration: int | None = None):
         )
     directory = checks.checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"no checkpoint directory {directory!r}")
+        raise FileNotFoundError(checks.missing_checkpoint(directory))
     if not os.path.isfile(os.path.join(root, "config.yaml")) and not os.path.isfile(
         os.path.join(directory, "metadata.json")
     ):

@@ -45,9 +45,11 @@ class SaveLock:
         self.root = root
         self.path = os.path.join(root, LOCK)
         self.fd: Optional[int] = None
+        self.created = False  # whether acquire made the directory
 
     def acquire(self) -> None:
         """Take the lock or raise RunDirectoryError naming the run that holds it."""
+        self.created = not os.path.isdir(self.root)
         os.makedirs(self.root, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -81,7 +83,8 @@ class SaveLock:
         self.fd = fd
 
     def release(self) -> None:
-        """Remove the lock file and drop the lock (idempotent)."""
+        """Remove the lock file and drop the lock (idempotent); remove the directory too where
+        `acquire` made it and nothing was written there (a refused run leaves no empty --save)."""
         if self.fd is None:
             return
         try:
@@ -90,6 +93,11 @@ class SaveLock:
             pass
         os.close(self.fd)
         self.fd = None
+        if self.created:
+            try:
+                os.rmdir(self.root)
+            except OSError:  # not empty: the run wrote something
+                pass
 
 
 def _read(fd: int) -> str:

@@ -181,7 +181,7 @@ def test_cli_reports_the_counts_written_and_compression_never_adds_components(
     assert main(["--quiet", "compress", "--load", subset, "--save", grown,
                  "--num-kv-components", "4"]) == 2
     assert capsys.readouterr().err.strip() == (
-        "error: num_kv_components (4) exceeds the 2 K/V components layer 1 has: "
+        "mea-convert: error: num_kv_components (4) exceeds the 2 K/V components layer 1 has: "
         "compression cannot add components")
     assert not os.path.exists(grown)
     # A layer left out keeps its count (2), not the query groups (4).
