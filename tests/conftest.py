@@ -86,6 +86,7 @@ ONE_RELEASE = {
     "tests/test_bench_attention.py": "0.16",
     "tests/training/test_run_directories.py": "0.16",
     "tests/test_console_scripts.py": "0.16",
+    "tests/test_cli_refusals.py": "0.16",
     "tests/training/test_multinode.py": "0.16",
     "tests/checkpoint/test_evaluation.py": "0.16",
     # The lent GPU machine runs Python 3.12 with megatron-core 0.19 (its wheels are built so).

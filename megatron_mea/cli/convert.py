@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cpu import megatron_on_cpu
 from megatron_mea.variant import choices, field_help
 
@@ -108,7 +109,7 @@ def _probe(args):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (one sub-command per conversion)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-convert",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -16,9 +16,11 @@ import json
 import logging
 import sys
 
+from megatron_mea.argparsing import ArgumentParser
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-eval", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -49,8 +51,8 @@ def main(argv=None) -> int:
 
     try:
         results = evaluate_checkpoint(
-            args.load, args.tasks, iteration=args.iteration, include_path=args.include_path, tokenizer=args.tokenizer,
-            export_dir=args.export_dir, format=args.format, batch_size=args.batch_size,
+            args.load, args.tasks, iteration=args.iteration, include_path=args.include_path,
+            tokenizer=args.tokenizer, export_dir=args.export_dir, format=args.format, batch_size=args.batch_size,
             device=args.device, limit=args.limit, num_fewshot=args.num_fewshot,
         )
     except (ValueError, ImportError, FileNotFoundError) as exc:

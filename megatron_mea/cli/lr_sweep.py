@@ -28,6 +28,7 @@ from functools import partial
 
 import yaml
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
 from megatron_mea.cli.demo import DEMO_CONFIG, prepare_data
 from megatron_mea.training.sweep import (
@@ -104,7 +105,7 @@ PRESETS = {
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags; every preset field can be overridden."""
     rule = StabilityRule()
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-lr-sweep", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Literal, Optional
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.model_args import ModelArgs, RunArgs
 from megatron_mea.run_config import CUSTOM_TYPES, base_type, load_yaml
 from megatron_mea.variant import AttentionVariantFields, attribute_docs
@@ -127,7 +128,7 @@ def _flag(name: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser: one flag per `PretrainArgs` field (dest = field name), defaults
     SUPPRESSed so that only what the user typed overrides the YAML file."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-pretrain",
         description="Megatron-Core pretraining with MEA / KHA attention.",
         argument_default=argparse.SUPPRESS,
