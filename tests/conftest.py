@@ -59,6 +59,7 @@ SLOW = (
     "tests/inference/test_imported_checkpoint.py",
     "tests/inference/test_cli.py",
     "tests/checkpoint/test_cli.py",
+    "tests/training/test_bad_inputs.py::test_the_dataset_index_cache_goes_into_the_run_directory",
     "tests/checkpoint/test_evaluation.py::test_cli_loads_an_older_checkpoint",
     "tests/test_gpu_acceptance.py::test_cpu_smoke_on_a_simulated",
     "tests/test_config_fuzz.py",
