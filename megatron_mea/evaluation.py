@@ -96,7 +96,8 @@ def evaluate_checkpoint(
         load_dir: Megatron checkpoint root, or one of its `iter_XXXXXXX` folders.
         iteration: the checkpoint to evaluate. Default: the latest.
         tasks: harness task names (or names of tasks under `include_path`).
-        include_path: a directory of extra YAML tasks.
+        include_path: a directory of extra YAML tasks; their data file paths are relative to
+            it.
         tokenizer: as `export_for_evaluation`.
         export_dir: keep the export there. Default: a temporary directory, removed after.
         format: export format.
@@ -115,17 +116,26 @@ def evaluate_checkpoint(
         ) from exc
 
     with tempfile.TemporaryDirectory(prefix="mea-eval-") as scratch:
-        directory = export_dir or os.path.join(scratch, "hf")
+        directory = os.path.abspath(export_dir or os.path.join(scratch, "hf"))
         written = export_for_evaluation(load_dir, directory, tokenizer, format, iteration)
         logger.info("exported %s as a %s HF model to %s", load_dir, written, directory)
-        return lm_eval.simple_evaluate(
-            model="hf",
-            model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
-            tasks=list(tasks),
-            task_manager=TaskManager(include_path=include_path),
-            batch_size=batch_size,
-            device=device,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            log_samples=log_samples,
-        )
+        include_path = include_path and os.path.abspath(include_path)
+        started_in = os.getcwd()
+        # The `datasets` loader resolves a task's relative data files against the working
+        # directory: in the include path's folder, its tasks run from any directory.
+        if include_path:
+            os.chdir(include_path)
+        try:
+            return lm_eval.simple_evaluate(
+                model="hf",
+                model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
+                tasks=list(tasks),
+                task_manager=TaskManager(include_path=include_path),
+                batch_size=batch_size,
+                device=device,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                log_samples=log_samples,
+            )
+        finally:
+            os.chdir(started_in)

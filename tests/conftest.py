@@ -65,6 +65,7 @@ SLOW = (
     "tests/test_config_fuzz.py",
     "tests/test_bench_attention.py",
     "tests/test_console_scripts.py",
+    "tests/test_docs.py",
     "tests/test_compat.py::test_batch_is_",
     "tests/test_cpu_support.py::test_nothing_is_patched_when_cuda_is_available",
     "tests/test_cpu_support.py::test_patches_are_undone_when_the_outermost_block_ends",

@@ -1,8 +1,8 @@
 """`mea-eval`: evaluate a Megatron checkpoint with lm-evaluation-harness (export on the fly).
 
     pip install 'megatron_mea[eval]'
-    mea-eval --load runs/demo/mea --tasks piqa hellaswag arc_easy --batch-size 8 --device cuda
-    mea-eval --load runs/demo/mea --include-path tests/eval_task --tasks mea_local_choice
+    mea-eval --load runs/demo/runs/mea --tasks piqa hellaswag arc_easy --batch-size 8 --device cuda
+    mea-eval --load runs/demo/runs/mea --include-path tests/eval_task --tasks mea_local_choice
 
 The checkpoint is exported to a Hugging Face directory (a stock architecture where the variant
 folds, the package's modeling code otherwise; in fp32), which the harness's `hf` model loads.

@@ -3,7 +3,7 @@ without head norm), MEA (HLC + norm), KHA-Linear and KHA-MLP over a grid of peak
 same seed and data order, each run through `mea-pretrain`.
 
     mea-lr-sweep --preset cpu                     # ~47 min on 2 cores, stdlib corpus
-    mea-lr-sweep --preset gpu --data-path data/my_text_document \\
+    mea-lr-sweep --preset gpu --data-path data/my_corpus \\
         --set tokenizer_type=HuggingFaceTokenizer --set tokenizer_model=/path/to/tokenizer
     mea-lr-sweep --out runs/lr_sweep_cpu --summary-only --spike-threshold 0.3
 

@@ -19,7 +19,7 @@ TASK = "mea_local_choice"
 
 def _offline(monkeypatch, tmp_path):
     # The harness loads the JSONL through `datasets`' json builder: nothing may reach a hub.
-    monkeypatch.chdir(REPO)  # the task's data path is relative to the repository root
+    monkeypatch.chdir(tmp_path)  # any directory: the task's data path is relative to its folder
     for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
