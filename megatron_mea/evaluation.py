@@ -17,43 +17,12 @@ from typing import Optional, Sequence
 
 from megatron_mea.checkpoint import export_hf_checkpoint
 from megatron_mea.checkpoint.hf_io import has_tokenizer
+from megatron_mea.data.tokenizers import ByteLevelTokenizer
 
 logger = logging.getLogger(__name__)
 
 BYTE_LEVEL = "byte-level"
-EOD_TEXT = "<eod>"
-BYTE_LEVEL_VOCAB = 257  # 256 bytes and <eod>
-
-
-def _bytes_to_unicode() -> dict:
-    """GPT-2's printable stand-in character of every byte (what HF's ByteLevel pre-tokenizer
-    emits), `{byte: char}`."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
-                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-def save_byte_level_tokenizer(directory: str) -> None:
-    """Write an HF tokenizer equal to the package's `ByteLevelTokenizer` into `directory`:
-    UTF-8 byte `b` is id `b`, `<eod>` (id 256) is the end-of-sequence token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {char: b for b, char in _bytes_to_unicode().items()}
-    vocab[EOD_TEXT] = 256
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOD_TEXT)
-    fast.add_special_tokens({"eos_token": EOD_TEXT})
-    fast.save_pretrained(directory)
+BYTE_LEVEL_VOCAB = ByteLevelTokenizer().vocab_size  # 256 bytes and <eod>
 
 
 def _checkpoint_tokenizer_type(load_dir: str) -> Optional[str]:
@@ -63,7 +32,8 @@ def _checkpoint_tokenizer_type(load_dir: str) -> Optional[str]:
 
 
 def export_for_evaluation(load_dir: str, save_dir: str, tokenizer: Optional[str] = None,
-                          format: str = "auto") -> str:  # noqa: A002 -- the CLI flag's name
+                          format: str = "auto",  # noqa: A002 -- the CLI flag's name
+                          iteration: Optional[int] = None) -> str:
     """Export `load_dir` to `save_dir` in fp32 with a tokenizer; returns the export's format.
 
     Args:
@@ -71,13 +41,15 @@ def export_for_evaluation(load_dir: str, save_dir: str, tokenizer: Optional[str]
             None: the export's own tokenizer files, else `byte-level` for checkpoints trained
             with `ByteLevelTokenizer`.
         format: `auto`, `plain` or `native` (`export_hf_checkpoint`).
+        iteration: the checkpoint to export. Default: the latest.
     """
     import torch
 
     from megatron_mea.cpu import megatron_on_cpu
 
     with megatron_on_cpu():  # the export builds the Megatron model (on `meta`) to read shapes
-        written = export_hf_checkpoint(load_dir, save_dir, format=format, dtype=torch.float32)
+        written = export_hf_checkpoint(load_dir, save_dir, format=format, dtype=torch.float32,
+                                       iteration=iteration)
     with open(os.path.join(save_dir, "config.json"), encoding="utf-8") as handle:
         vocab_size = json.load(handle)["vocab_size"]
     byte_level_fits = vocab_size >= BYTE_LEVEL_VOCAB
@@ -95,7 +67,7 @@ def export_for_evaluation(load_dir: str, save_dir: str, tokenizer: Optional[str]
                 f"--tokenizer byte-level needs a vocabulary of >= {BYTE_LEVEL_VOCAB} ids; "
                 f"{load_dir} has {vocab_size}"
             )
-        save_byte_level_tokenizer(save_dir)
+        ByteLevelTokenizer().save_hf(save_dir)
     elif tokenizer is not None:
         from transformers import AutoTokenizer
 
@@ -107,6 +79,7 @@ def evaluate_checkpoint(
     load_dir: str,
     tasks: Sequence[str],
     *,
+    iteration: Optional[int] = None,
     include_path: Optional[str] = None,
     tokenizer: Optional[str] = None,
     export_dir: Optional[str] = None,
@@ -120,9 +93,11 @@ def evaluate_checkpoint(
     """Export the checkpoint and evaluate it with lm-evaluation-harness.
 
     Args:
-        load_dir: Megatron checkpoint root.
+        load_dir: Megatron checkpoint root, or one of its `iter_XXXXXXX` folders.
+        iteration: the checkpoint to evaluate. Default: the latest.
         tasks: harness task names (or names of tasks under `include_path`).
-        include_path: a directory of extra YAML tasks.
+        include_path: a directory of extra YAML tasks; their data file paths are relative to
+            it.
         tokenizer: as `export_for_evaluation`.
         export_dir: keep the export there. Default: a temporary directory, removed after.
         format: export format.
@@ -141,17 +116,26 @@ def evaluate_checkpoint(
         ) from exc
 
     with tempfile.TemporaryDirectory(prefix="mea-eval-") as scratch:
-        directory = export_dir or os.path.join(scratch, "hf")
-        written = export_for_evaluation(load_dir, directory, tokenizer, format)
+        directory = os.path.abspath(export_dir or os.path.join(scratch, "hf"))
+        written = export_for_evaluation(load_dir, directory, tokenizer, format, iteration)
         logger.info("exported %s as a %s HF model to %s", load_dir, written, directory)
-        return lm_eval.simple_evaluate(
-            model="hf",
-            model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
-            tasks=list(tasks),
-            task_manager=TaskManager(include_path=include_path),
-            batch_size=batch_size,
-            device=device,
-            limit=limit,
-            num_fewshot=num_fewshot,
-            log_samples=log_samples,
-        )
+        include_path = include_path and os.path.abspath(include_path)
+        started_in = os.getcwd()
+        # The `datasets` loader resolves a task's relative data files against the working
+        # directory: in the include path's folder, its tasks run from any directory.
+        if include_path:
+            os.chdir(include_path)
+        try:
+            return lm_eval.simple_evaluate(
+                model="hf",
+                model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
+                tasks=list(tasks),
+                task_manager=TaskManager(include_path=include_path),
+                batch_size=batch_size,
+                device=device,
+                limit=limit,
+                num_fewshot=num_fewshot,
+                log_samples=log_samples,
+            )
+        finally:
+            os.chdir(started_in)

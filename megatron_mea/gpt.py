@@ -93,10 +93,7 @@ def initialize(args: RunArgs, timeout_minutes: Optional[float] = None) -> None:
     """
     on_gpu = torch.cuda.is_available()
     if not dist.is_initialized():
-        if "WORLD_SIZE" not in os.environ:  # a plain `python -m`: a world of one
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        set_up_world_of_one()
         if on_gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
@@ -113,6 +110,16 @@ def initialize(args: RunArgs, timeout_minutes: Optional[float] = None) -> None:
         model_parallel_cuda_manual_seed(seed)
     else:
         init_cpu_rng_tracker(seed)
+
+
+def set_up_world_of_one() -> None:
+    """The rendezvous variables torchrun sets, for a world of one process, where a plain
+    `python -m` started it (no WORLD_SIZE); a launcher's are kept."""
+    if "WORLD_SIZE" in os.environ:
+        return
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
 
 
 def free_port() -> int:

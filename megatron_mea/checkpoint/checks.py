@@ -11,6 +11,8 @@ import logging
 import os
 import re
 
+from typing import Optional, Tuple
+
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -23,6 +25,7 @@ from megatron_mea.model_args import TENSOR_FIELDS
 logger = logging.getLogger(__name__)
 
 TRACKER = "latest_checkpointed_iteration.txt"
+ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 # Optimizer tensors (checkpoints of earlier versions prefix a ChainedOptimizer's with chained_N.).
 OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
@@ -47,6 +50,43 @@ class ConversionError(ValueError):
 def checkpoint_dir(root: str, iteration: int) -> str:
     """Directory of the checkpoint of `iteration` under `root`."""
     return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def saved_iterations(root: str) -> list:
+    """The iterations of the `iter_XXXXXXX` directories under `root`, ascending."""
+    if not os.path.isdir(root):
+        return []
+    return sorted(int(m.group(1)) for m in map(ITER_DIR.match, os.listdir(root)) if m)
+
+
+def missing_checkpoint(directory: str) -> str:
+    """The one line for an `iter_XXXXXXX` directory that does not exist: that its run directory
+    does not exist either, or which iterations are saved there."""
+    root = os.path.dirname(directory)
+    if not os.path.isdir(root):
+        return f"{root}: no such directory"
+    found = saved_iterations(root)
+    saved = ", ".join(map(str, found)) if found else "none"
+    return f"{directory}: no such checkpoint (iterations saved there: {saved})"
+
+
+def split_checkpoint_path(path: str, iteration: Optional[int] = None
+                          ) -> Tuple[str, Optional[int]]:
+    """(run directory, iteration) of a `--load` that names a run directory or one of its
+    `iter_XXXXXXX` folders, so every tool accepts both (`--load DIR --ckpt-step N` is
+    `--load DIR/iter_000000N`).
+
+    Raises:
+        CheckpointError: `iteration` contradicts the folder's number.
+    """
+    path = os.path.normpath(path)
+    match = ITER_DIR.match(os.path.basename(path))
+    if not match:
+        return path, iteration
+    found = int(match.group(1))
+    if iteration is not None and iteration != found:
+        raise CheckpointError(f"--ckpt-step {iteration} contradicts the checkpoint path {path}")
+    return os.path.dirname(path), found
 
 
 def latest_iteration(root: str):
@@ -91,7 +131,7 @@ def verify_checkpoint(directory: str, model) -> None:
             file also the older complete checkpoint and how to load it (`--ckpt-step`).
     """
     if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: checkpoint directory is missing")
+        raise CheckpointError(missing_checkpoint(directory))
     for name in ("metadata.json", ".metadata"):
         if not os.path.exists(os.path.join(directory, name)):
             raise CheckpointError(f"{os.path.join(directory, name)}: missing (partial checkpoint)")

@@ -103,7 +103,7 @@ def svd_heads(heads: torch.Tensor, num_components: int) -> Tuple[torch.Tensor, t
 
 def _composite_kv(tensors, layer, config) -> Tuple[Dict, int]:
     """`{"weight"|"bias": (q, k, v)}` with composite (ng) K/V heads, fp32; and nc of the input."""
-    variant = config.attention_variant
+    variant = config.variant_of(layer + 1)  # a source compressed before mixes variants
     if variant == "kha":
         raise ConversionError("KV compression applies to baseline or MEA checkpoints, not KHA")
     prefix = f"decoder.layers.{layer}.self_attention."
@@ -172,7 +172,7 @@ def approximate_layer(tensors: Dict, layer: int, config, num_components: int) ->
     factors = _factorise(parts, num_components)
     out = dict(tensors)
     dtype = tensors[prefix + "linear_qkv.weight"].dtype
-    mea = config.attention_variant == "mea"
+    mea = config.variant_of(layer + 1) == "mea"
     for suffix, position in (("weight", 0), ("bias", 1)):
         if suffix not in parts:
             continue
@@ -194,6 +194,13 @@ def approximate_layer(tensors: Dict, layer: int, config, num_components: int) ->
     return out
 
 
+def kv_heads_per_layer(config) -> List[int]:
+    """The K/V heads each layer of `config` computes and caches, 0-based: MEA's `nc`, the
+    query groups of a standard layer."""
+    return [config.kv_components(layer + 1) if config.variant_of(layer + 1) == "mea"
+            else config.num_query_groups for layer in range(config.num_layers)]
+
+
 def compressed_description(
     description: ModelDescription,
     num_components: int,
@@ -212,14 +219,26 @@ def compressed_description(
             f"num_kv_components ({num_components}) must be between 1 and the checkpoint's "
             f"{ng} K/V heads"
         )
+    source = kv_heads_per_layer(config)
+    chosen = range(num_layers) if layers is None else layers
+    grown = [layer for layer in chosen if num_components > source[layer]]
+    if grown:
+        # The SVD of a rank-r composite has r nonzero components: the rest would be zeros that
+        # only enlarge the cache.
+        raise ConversionError(
+            f"num_kv_components ({num_components}) exceeds the {source[grown[0]]} K/V "
+            f"components layer {grown[0]} has: compression cannot add components"
+        )
     per_layer = variants = None
     if layers is not None and sorted(layers) != list(range(num_layers)):
-        per_layer = [num_components if layer in set(layers) else ng for layer in range(num_layers)]
-        if config.attention_variant == "standard":
-            # As in the paper: the layers left alone stay standard attention (no mixing
-            # matrices, no head norm), not MEA with nc = ng.
-            chosen = set(layers)
-            variants = ["mea" if layer in chosen else "standard" for layer in range(num_layers)]
+        per_layer = [num_components if layer in set(layers) else source[layer]
+                     for layer in range(num_layers)]
+        # As in the paper: the layers left alone keep their variant (a baseline's stay
+        # standard attention: no mixing matrices, no head norm), not MEA with nc = ng.
+        chosen = set(layers)
+        kept = ["mea" if layer in chosen else config.variant_of(layer + 1)
+                for layer in range(num_layers)]
+        variants = None if set(kept) == {"mea"} else kept
     elif config.attention_variant_per_layer is not None:
         variants = list(config.attention_variant_per_layer)
     if config.attention_variant == "mea":
@@ -297,7 +316,7 @@ def compress_checkpoint(
                         tensors[norm] = upcycle_init(norm, shape, dtype)
                     if not target_config.mea_head_norm:
                         tensors.pop(norm, None)
-                logger.info("compressed layer %d", layer)
+                    logger.info("compressed layer %d", layer)
                 yield tensors
 
         write_checkpoint(save_dir, target, produce())

@@ -19,6 +19,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 
 from megatron_mea.checkpoint.hf_families import FAMILIES, Family, family
 from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
+from megatron_mea.data.tokenizers import ByteLevelTokenizer
 from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS, router_outside_stock
 from megatron_mea.model_args import RUN_FIELDS, RunArgs, derived_sizes
 from megatron_mea.variant import fields_of_scope
@@ -30,6 +31,24 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # they apply): the model-scope fields of `megatron_mea.variant`, less the per-layer ones (a
 # native export has one setting for all layers).
 VARIANT_FIELDS = tuple(name for name in fields_of_scope("model") if not name.endswith("_per_layer"))
+
+
+# Training settings that the HF configs of every family (or of the MoE families) also carry:
+# (RunArgs field, HF config field, MoE families only). An export writes them and an import reads
+# them back, so continued pretraining after a round trip trains as the run did (transformers'
+# own default router_aux_loss_coef is 0.001, Megatron's moe_aux_loss_coeff 0.01).
+HF_TRAINING_FIELDS = (
+    ("init_method_std", "initializer_range", False),
+    ("attention_dropout", "attention_dropout", False),
+    ("moe_aux_loss_coeff", "router_aux_loss_coef", True),
+)
+
+
+def byte_level_run(description: ModelDescription) -> bool:
+    """Whether the model was trained from scratch on `ByteLevelTokenizer` ids (an import keeps
+    the tokenizer files of its HF source instead): its export gets the equal HF tokenizer and
+    `<eod>` as the end-of-sequence token."""
+    return description.args.tokenizer_type == "ByteLevelTokenizer" and not description.hf_config
 
 
 def non_stock_router(config) -> Optional[Tuple[str, object]]:
@@ -266,7 +285,6 @@ def description_from_hf(
         rotary_base=int(theta) if theta.is_integer() else theta,
         use_rope_scaling=scaling is not None,
         rope_scaling_factor=scaling or RunArgs.rope_scaling_factor,
-        init_method_std=getattr(config, "initializer_range", 0.02),
         num_experts=None,
         **variant,
         bf16=dtype == torch.bfloat16,
@@ -276,6 +294,8 @@ def description_from_hf(
         add_qkv_bias=fam.add_qkv_bias,
         **(parallel or {}),
     )
+    fields.update({name: getattr(config, hf_name) for name, hf_name, moe in HF_TRAINING_FIELDS
+                   if hasattr(config, hf_name) and (fam.moe is not None or not moe)})
     if tokenizer_dir:
         fields.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
     if fam.moe is not None:
@@ -284,7 +304,6 @@ def description_from_hf(
             moe_router_topk=config.num_experts_per_tok,
             moe_ffn_hidden_size=getattr(config, "moe_intermediate_size", config.intermediate_size),
             moe_layer_freq=1 if all(moe_layers) else [int(m) for m in moe_layers],
-            moe_aux_loss_coeff=getattr(config, "router_aux_loss_coef", 1e-2),
             # Mixtral and Qwen3-MoE with norm_topk_prob renormalise the top-k probabilities, which
             # is Megatron's top-k-then-softmax; otherwise softmax over all experts, then top-k.
             moe_router_pre_softmax=fam.name == "qwen3_moe" and not config.norm_topk_prob,
@@ -367,6 +386,8 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
         tie_word_embeddings=not args.untie_embeddings_and_output_weights,
         hidden_act="silu",
     )
+    template.update({hf_name: getattr(args, name) for name, hf_name, moe in HF_TRAINING_FIELDS
+                     if fam.moe is not None or not moe})
     template.pop("rope_theta", None)
     template.pop("rope_scaling", None)
     template["rope_parameters"] = rope_parameters(args, theta)
@@ -395,5 +416,7 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
             template.update(num_local_experts=config.num_moe_experts)
     if without_qk_norm:
         template["qk_layernorm"] = False
+    if byte_level_run(description):  # HF generate stops at the end of a document
+        template["eos_token_id"] = ByteLevelTokenizer.EOD
     template["dtype"] = "bfloat16" if args.bf16 else "float32"
     return fam, template

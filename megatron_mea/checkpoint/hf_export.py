@@ -25,6 +25,7 @@ from megatron_mea.checkpoint.hf_config import (
     NATIVE_PREFIX,
     ROUTER_FIELDS,
     VARIANT_FIELDS,
+    byte_level_run,
     dtype_name,
     hf_config_dict,
     needs_native_qwen3_moe,
@@ -38,9 +39,11 @@ from megatron_mea.checkpoint.megatron_io import (
     ModelDescription,
     converter_process,
     expected_shapes,
+    layer_name,
 )
 from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
 from megatron_mea.checkpoint.variants import fold_layer, foldable
+from megatron_mea.data.tokenizers import ByteLevelTokenizer
 from megatron_mea.variant import variant_settings
 
 logger = logging.getLogger(__name__)
@@ -215,7 +218,9 @@ def export_hf_checkpoint(
         _write_config(staged, _build_config(fam, fields, config, fmt), fmt)
         args = description.args
         source = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
-        copy_tokenizer(source or description.source, staged)
+        copied = copy_tokenizer(source or description.source, staged)
+        if not copied and byte_level_run(description):
+            ByteLevelTokenizer().save_hf(staged)  # needs no file: every export has a tokenizer
     logger.info("wrote %s (%s format, %.1f s)", save_dir, fmt, time.perf_counter() - started)
     return fmt
 
@@ -246,6 +251,6 @@ def _write_weights(load_dir, save_dir, description, fam, fmt, dtype, iteration,
                     f"no {fmt} export rule for {sorted(tensors)[0]!r} of the {fam.name} family"
                 )
             writer.add({k: v.to(dtype) if dtype else v for k, v in hf.items()})
-            logger.info("exported layer %d (%.1f s)", layer, time.perf_counter() - started)
+            logger.info("exported %s (%.1f s)", layer_name(layer), time.perf_counter() - started)
         writer.close()
     return saved_dtype

@@ -37,6 +37,8 @@ from megatron_mea.checkpoint.checks import (
     ConversionError,
     checkpoint_dir,
     latest_iteration,
+    missing_checkpoint,
+    split_checkpoint_path,
     verify_checkpoint,
 )
 from megatron_mea.checkpoint.megatron_lm_io import common_state_types, megatron_lm_run_args
@@ -111,7 +113,11 @@ class ModelDescription:
     def load(cls, root: str) -> "ModelDescription":
         """Read the description of the checkpoint directory `root`: `config.yaml` of
         `mea-pretrain` or of this tool, else the arguments a Megatron-LM run saved in the
-        checkpoint (`megatron_mea.checkpoint.megatron_lm_io`)."""
+        checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). `root` may name one of its
+        `iter_XXXXXXX` folders."""
+        root, _ = split_checkpoint_path(root)
+        if not os.path.isdir(root):
+            raise ConversionError(f"{root}: no such directory")
         path = os.path.join(root, "config.yaml")
         if not os.path.exists(path):
             description = cls(megatron_lm_run_args(root))
@@ -207,6 +213,11 @@ def layer_of(name: str) -> int:
     return int(match.group(1)) if match else -1
 
 
+def layer_name(layer: int) -> str:
+    """How a console line names a `layer_of` group: `layer N`, or what -1 holds."""
+    return f"layer {layer}" if layer >= 0 else "the embedding, final norm and output layer"
+
+
 def tensor_entries(sharded: Dict) -> Dict[str, object]:
     """State-dict name -> `ShardedTensor` / `ShardedTensorFactory` of a model's sharded state
     dict (the same objects: setting their `data` fills `sharded`)."""
@@ -224,14 +235,16 @@ def expected_shapes(description: ModelDescription) -> Dict[str, Tuple[int, ...]]
 
 
 def resolve_checkpoint(root: str, iteration: Optional[int] = None) -> str:
-    """The `iter_XXXXXXX` directory of `root` (the latest unless `iteration` is given)."""
+    """The `iter_XXXXXXX` directory of `root` (the latest unless `iteration` is given; `root`
+    may name the folder itself)."""
+    root, iteration = split_checkpoint_path(root, iteration)
     if iteration is None:
         iteration = latest_iteration(root)
         if iteration is None:
             raise ConversionError(f"{root}: no {TRACKER} (not a checkpoint directory)")
     directory = checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
-        raise ConversionError(f"{directory}: missing")
+        raise ConversionError(missing_checkpoint(directory))
     return directory
 
 

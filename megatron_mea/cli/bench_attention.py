@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
 from megatron_mea.bench.collectives import count_bytes
 from megatron_mea.bench.steps import VARIANTS, LayerStep, ModelStep, layer_flops
@@ -38,7 +39,7 @@ from megatron_mea.gpt import free_port
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags: the shape, the rounds, the device, the TP sizes counted."""
-    parser = argparse.ArgumentParser(prog="mea-bench-attention",
+    parser = ArgumentParser(prog="mea-bench-attention",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="baseline is always included (ratios are to it)")

@@ -22,6 +22,7 @@ import json
 import os
 import sys
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cpu import megatron_on_cpu
 
 VARIANTS = {
@@ -44,7 +45,7 @@ class _Ids:
 
 def build_parser() -> argparse.ArgumentParser:
     """Flags: the model shape, the variants, the context lengths."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-bench-decode", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--num-layers", type=int, default=4)

@@ -22,8 +22,8 @@ A thin command line over `megatron_mea.checkpoint`::
 Every --save must be a new or empty directory; it is written under a temporary name next to it
 and renamed at the end, so a refused or failed conversion leaves nothing behind.
 
-Exit status: 0 on success, 1 when a checkpoint or config is refused (one line naming the file,
-tensor or field), 2 on usage errors.
+Exit status: 0 on success; 2 when an input is refused (one line, `mea-convert: error: ...`,
+naming the file, tensor or field; usage errors too); 1 on a failure at run time.
 """
 
 import argparse
@@ -32,6 +32,7 @@ import sys
 
 import torch
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cpu import megatron_on_cpu
 from megatron_mea.variant import choices, field_help
 
@@ -80,8 +81,9 @@ def _export_hf(args):
 
 def _compress(args):
     from megatron_mea.checkpoint import compress_checkpoint
+    from megatron_mea.checkpoint.compress import kv_heads_per_layer
 
-    compress_checkpoint(
+    target = compress_checkpoint(
         args.load,
         args.save,
         args.num_kv_components,
@@ -89,7 +91,8 @@ def _compress(args):
         mea_head_norm=args.mea_head_norm,
         iteration=args.iteration,
     )
-    print(f"wrote {args.save} (MEA, {args.num_kv_components} K/V components per layer)")
+    written = kv_heads_per_layer(target.transformer_config(meta=True))
+    print(f"wrote {args.save} (MEA; K/V heads per layer, cached: {written})")
 
 
 def _probe(args):
@@ -106,15 +109,21 @@ def _probe(args):
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (one sub-command per conversion)."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-convert",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
     commands = parser.add_subparsers(dest="command", required=True)
+    # --quiet also after the sub-command; SUPPRESS keeps a sub-command without it from
+    # resetting the one given before.
+    quiet = argparse.ArgumentParser(add_help=False)
+    quiet.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS,
+                       help="only warnings and errors")
 
-    imp = commands.add_parser("import-hf", help="Hugging Face safetensors -> torch_dist")
+    imp = commands.add_parser("import-hf", parents=[quiet],
+                              help="Hugging Face safetensors -> torch_dist")
     imp.add_argument("--hf-dir", required=True,
                      help="HF model directory (config.json + safetensors)")
     imp.add_argument("--save", required=True, help="output checkpoint directory (new or empty)")
@@ -139,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="recorded in config.yaml (the checkpoint loads at any layout)")
     imp.set_defaults(run=_import_hf)
 
-    exp = commands.add_parser("export-hf", help="torch_dist -> Hugging Face safetensors")
+    exp = commands.add_parser("export-hf", parents=[quiet],
+                              help="torch_dist -> Hugging Face safetensors")
     exp.add_argument("--load", required=True, help="checkpoint directory (mea-pretrain --save)")
     exp.add_argument("--save", required=True, help="output HF directory (new or empty)")
     exp.add_argument("--format", choices=("auto", "plain", "native"), default="auto")
@@ -154,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, helptext in (("compress", "MEA post-hoc KV compression (SVD over K/V heads)"),
                            ("probe", "loss increase of compressing each layer alone")):
-        sub = commands.add_parser(name, help=helptext)
+        sub = commands.add_parser(name, parents=[quiet], help=helptext)
         sub.add_argument("--load", required=True, help="baseline or MEA checkpoint directory")
         sub.add_argument("--num-kv-components", type=int, required=True, help="nc")
         sub.add_argument("--layers", default="all",
@@ -186,8 +196,9 @@ def main(argv=None) -> int:
         argv: the arguments. Default: `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0 done; 2 refused input (`error: ...` on stderr, one line; argparse's
-        usage errors too); 1 a failure at run time (an unreadable or unwritable file).
+        The exit status: 0 done; 2 refused input (`mea-convert: error: ...` on stderr, one
+        line; argparse's usage errors too); 1 a failure at run time (an unreadable or
+        unwritable file).
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
@@ -199,10 +210,10 @@ def main(argv=None) -> int:
         args.run(args)
     except (ConversionError, CheckpointError, ValueError) as exc:
         # A refused input (ConversionError and CheckpointError are ValueErrors).
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"mea-convert: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # unreadable inputs, unwritable outputs: a failure at run time
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"mea-convert: error: {exc}", file=sys.stderr)
         return 1
     return 0
 

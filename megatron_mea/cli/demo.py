@@ -11,7 +11,6 @@
     mea-demo [--out runs/demo] [--train-iters 300] [--variants mea-vh kha]
 """
 
-import argparse
 import json
 import os
 import re
@@ -21,6 +20,7 @@ import time
 
 import yaml
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
 
 # A CPU-sized MoE GPT: 4 layers (2 MoE), 8 query heads / 4 KV groups, 4 experts top-2.
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
     Returns:
         The exit status: 0, or 1 when a training run failed.
     """
-    parser = argparse.ArgumentParser(prog="mea-demo", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="mea-demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/demo")
     parser.add_argument("--train-iters", type=int, default=DEMO_CONFIG["train_iters"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))

@@ -7,22 +7,47 @@ The flags are checked against the Megatron-LM tag that matches the installed meg
 import argparse
 import sys
 
-from megatron_mea.integrations.dry_run import ASSUMED_TE_VERSION, DryRunError, dry_run
+from megatron_mea.argparsing import ArgumentParser
+from megatron_mea.integrations.dry_run import (
+    ASSUMED_TE_VERSION,
+    DryRunError,
+    dry_run,
+    training_parser,
+)
 from megatron_mea.integrations.mlm_flags import MEGATRON_LM_TAGS, installed_tag
 
 
-def main(argv=None) -> int:
-    """CLI: `python -m megatron_mea.cli.dry_run --world-size N -- <flags>`."""
-    argv = sys.argv[1:] if argv is None else argv
-    own, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
-    cli = argparse.ArgumentParser(prog="mea-dry-run")
+def build_parser() -> ArgumentParser:
+    """The tool's own flags, before the `--`; Megatron-LM's flags after it."""
+    cli = ArgumentParser(
+        prog="mea-dry-run", usage="mea-dry-run [--world-size N] [...] -- <Megatron-LM flags>",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     cli.add_argument("--world-size", type=int, default=1, help="ranks the launch will start")
     cli.add_argument("--te-version", default=ASSUMED_TE_VERSION,
                      help="Transformer Engine version to assume when it is not installed")
     cli.add_argument("--megatron-lm-tag", choices=sorted(MEGATRON_LM_TAGS), default=None,
                      help="Megatron-LM tag whose flags to validate against (default: the one "
                           f"matching the installed megatron-core, {installed_tag()})")
-    opts = cli.parse_args(own)
+    cli.add_argument("--help-all", action="store_true",
+                     help="show the Megatron-LM and plugin flags accepted after the --, and exit")
+    return cli
+
+
+def main(argv=None) -> int:
+    """CLI: `python -m megatron_mea.cli.dry_run --world-size N -- <flags>`."""
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        own, rest = argv[: argv.index("--")], argv[argv.index("--") + 1:]
+    elif {"-h", "--help", "--help-all"} & set(argv):  # the tool's help, not Megatron-LM's
+        own, rest = argv, []
+    else:
+        own, rest = [], argv
+    opts = build_parser().parse_args(own)
+    if opts.help_all:
+        training_parser(opts.megatron_lm_tag).print_help()
+        return 0
     try:
         result = dry_run(rest, opts.world_size, opts.te_version, opts.megatron_lm_tag)
     except DryRunError as err:

@@ -1,8 +1,8 @@
 """`mea-eval`: evaluate a Megatron checkpoint with lm-evaluation-harness (export on the fly).
 
     pip install 'megatron_mea[eval]'
-    mea-eval --load runs/demo/mea --tasks piqa hellaswag arc_easy --batch-size 8 --device cuda
-    mea-eval --load runs/demo/mea --include-path tests/eval_task --tasks mea_local_choice
+    mea-eval --load runs/demo/runs/mea --tasks piqa hellaswag arc_easy --batch-size 8 --device cuda
+    mea-eval --load runs/demo/runs/mea --include-path tests/eval_task --tasks mea_local_choice
 
 The checkpoint is exported to a Hugging Face directory (a stock architecture where the variant
 folds, the package's modeling code otherwise; in fp32), which the harness's `hf` model loads.
@@ -16,13 +16,18 @@ import json
 import logging
 import sys
 
+from megatron_mea.argparsing import ArgumentParser
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-eval", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--load", required=True, help="Megatron checkpoint root")
+    parser.add_argument("--load", required=True,
+                        help="Megatron checkpoint root or one of its iter_XXXXXXX folders")
+    parser.add_argument("--iteration", "--ckpt-step", dest="iteration", type=int,
+                        help="checkpoint iteration. Default: the latest")
     parser.add_argument("--tasks", nargs="+", required=True, help="lm-evaluation-harness tasks")
     parser.add_argument("--include-path", help="directory of extra YAML tasks")
     parser.add_argument("--tokenizer",
@@ -46,8 +51,8 @@ def main(argv=None) -> int:
 
     try:
         results = evaluate_checkpoint(
-            args.load, args.tasks, include_path=args.include_path, tokenizer=args.tokenizer,
-            export_dir=args.export_dir, format=args.format, batch_size=args.batch_size,
+            args.load, args.tasks, iteration=args.iteration, include_path=args.include_path,
+            tokenizer=args.tokenizer, export_dir=args.export_dir, format=args.format, batch_size=args.batch_size,
             device=args.device, limit=args.limit, num_fewshot=args.num_fewshot,
         )
     except (ValueError, ImportError, FileNotFoundError) as exc:

@@ -15,12 +15,13 @@ import logging
 import os
 import sys
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cpu import megatron_on_cpu
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
-    parser = argparse.ArgumentParser(prog="mea-generate", description=__doc__.split("\n")[0])
+    parser = ArgumentParser(prog="mea-generate", description=__doc__.split("\n")[0])
     parser.add_argument("--load", required=True,
                         help="run directory (with config.yaml) or one of its iter_XXXXXXX folders")
     parser.add_argument("--iteration", "--ckpt-step", dest="iteration", type=int,

@@ -43,6 +43,7 @@ import shutil
 import sys
 import tempfile
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.acceptance.pack import pack_report
 from megatron_mea.acceptance.plans import GPU_PLAN, SMOKE_PLAN
 from megatron_mea.acceptance.report import summary
@@ -70,7 +71,7 @@ def _log_to_stdout(console_log=None) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags (the hidden ones are the bootstrap's and the training worker's)."""
-    parser = argparse.ArgumentParser(prog="mea-gpu-acceptance",
+    parser = ArgumentParser(prog="mea-gpu-acceptance",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None,
                         help="where the packed report goes, at most four files "

@@ -3,7 +3,7 @@ without head norm), MEA (HLC + norm), KHA-Linear and KHA-MLP over a grid of peak
 same seed and data order, each run through `mea-pretrain`.
 
     mea-lr-sweep --preset cpu                     # ~47 min on 2 cores, stdlib corpus
-    mea-lr-sweep --preset gpu --data-path data/my_text_document \\
+    mea-lr-sweep --preset gpu --data-path data/my_corpus \\
         --set tokenizer_type=HuggingFaceTokenizer --set tokenizer_model=/path/to/tokenizer
     mea-lr-sweep --out runs/lr_sweep_cpu --summary-only --spike-threshold 0.3
 
@@ -28,6 +28,7 @@ from functools import partial
 
 import yaml
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
 from megatron_mea.cli.demo import DEMO_CONFIG, prepare_data
 from megatron_mea.training.sweep import (
@@ -104,7 +105,7 @@ PRESETS = {
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags; every preset field can be overridden."""
     rule = StabilityRule()
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-lr-sweep", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(

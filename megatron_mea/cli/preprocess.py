@@ -18,12 +18,13 @@ import logging
 import os
 import sys
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.data.preprocess import PreprocessError, preprocess_files
 from megatron_mea.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 
 def _parse_args(argv):
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-preprocess", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

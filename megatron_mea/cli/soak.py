@@ -11,7 +11,6 @@ Episodes repeat until `--minutes` have passed.
     mea-soak --minutes 20 --world-size 2
 """
 
-import argparse
 import json
 import os
 import random
@@ -23,6 +22,8 @@ import tempfile
 import time
 
 import psutil
+
+from megatron_mea.argparsing import ArgumentParser
 
 MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     Returns:
         The exit status: 0 every episode passed, 1 a step was lost or differed (logs kept).
     """
-    parser = argparse.ArgumentParser(prog="mea-soak", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="mea-soak", description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--iters", type=int, default=60)

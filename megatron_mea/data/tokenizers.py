@@ -57,6 +57,21 @@ class _Tokenizer:
         raise NotImplementedError(f"{type(self).__name__} has no pad token")
 
 
+def _bytes_to_unicode() -> dict:
+    """GPT-2's printable stand-in character of every byte (what HF's ByteLevel pre-tokenizer
+    emits), `{byte: char}`."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1))
+                 + list(range(ord("\u00ae"), ord("\u00ff") + 1)))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
 class ByteLevelTokenizer(_Tokenizer):
     """UTF-8 bytes as tokens: ids 0..255 are the bytes, id 256 is the end-of-document token.
 
@@ -122,6 +137,21 @@ class ByteLevelTokenizer(_Tokenizer):
     def eod(self) -> int:
         """The end-of-document id, 256."""
         return self.EOD
+
+    def save_hf(self, directory: str) -> None:
+        """Write the equal HF tokenizer into `directory` (what an HF export of a byte-level run
+        carries): UTF-8 byte `b` is id `b`, `<eod>` (id 256) the end-of-sequence token."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {char: b for b, char in _bytes_to_unicode().items()}
+        vocab[self.EOD_TEXT] = self.EOD
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=self.EOD_TEXT)
+        fast.add_special_tokens({"eos_token": self.EOD_TEXT})
+        fast.save_pretrained(directory)
 
 
 class HuggingFaceTokenizer(_Tokenizer):

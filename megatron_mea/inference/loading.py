@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import math
 import os
-import re
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -27,9 +26,6 @@ from megatron_mea.cpu import require_cpu_patches
 from megatron_mea.model_args import RunArgs
 
 logger = logging.getLogger(__name__)
-
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
-
 
 @dataclass
 class InferenceModel:
@@ -64,25 +60,19 @@ def resolve_checkpoint(path: str, iteration: int | None = None):
         FileNotFoundError: when there is no `config.yaml` or no such checkpoint.
         ValueError: when `iteration` contradicts an `iter_XXXXXXX` path.
     """
-    path = os.path.abspath(path)
-    match = _ITER_DIR.match(os.path.basename(path))
-    if match:
-        root, found = os.path.dirname(path), int(match.group(1))
-        if iteration is not None and iteration != found:
-            raise ValueError(f"iteration ({iteration}) contradicts the checkpoint path {path!r}")
-        iteration = found
-    else:
-        root = path
-        if iteration is None:
-            iteration = checks.latest_iteration(root)
-        if iteration is None:
-            raise FileNotFoundError(
-                f"{root!r} has no {checks.TRACKER}: pass an iter_XXXXXXX directory or "
-                "an iteration"
-            )
+    root, iteration = checks.split_checkpoint_path(os.path.abspath(path), iteration)
+    if not os.path.isdir(root):
+        raise FileNotFoundError(f"{root}: no such directory")
+    if iteration is None:
+        iteration = checks.latest_iteration(root)
+    if iteration is None:
+        raise FileNotFoundError(
+            f"{root!r} has no {checks.TRACKER}: pass an iter_XXXXXXX directory or "
+            "an iteration"
+        )
     directory = checks.checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"no checkpoint directory {directory!r}")
+        raise FileNotFoundError(checks.missing_checkpoint(directory))
     if not os.path.isfile(os.path.join(root, "config.yaml")) and not os.path.isfile(
         os.path.join(directory, "metadata.json")
     ):

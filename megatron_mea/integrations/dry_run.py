@@ -61,9 +61,15 @@ def parse_training_args(argv: list, tag: str = None) -> argparse.Namespace:
     Returns:
         The parsed namespace, with Megatron-LM's defaults at that tag.
     """
+    return training_parser(tag).parse_args(argv)
+
+
+def training_parser(tag: str = None) -> argparse.ArgumentParser:
+    """The flags of `pretrain_gpt_mea.py` as `mea-dry-run` takes them after its `--`: Megatron-LM's
+    at `tag` (None: the installed megatron-core's) and the plugin's."""
     parser = add_mea_args(build_parser(load_flags(tag)))
-    parser.prog = "pretrain_gpt_mea.py"
-    return parser.parse_args(argv)
+    parser.prog = "mea-dry-run [...] --"  # errors name the tool (argparsing.ArgumentParser)
+    return parser
 
 
 def _fill_megatron_defaults(args: argparse.Namespace, world_size: int) -> None:

@@ -28,6 +28,8 @@ import sys
 
 from packaging.version import Version
 
+from megatron_mea.argparsing import ArgumentParser
+
 # Supported Megatron-LM tags and the commit each one names (the flag tables and patches/ pin them).
 MEGATRON_LM_TAGS = {
     "core_v0.16.1": "55ac7082517c3878ae653c07c09c534b8aed49f6",
@@ -187,7 +189,7 @@ def build_parser(flags: dict = None) -> argparse.ArgumentParser:
         A parser with every Megatron-LM flag of that tag (no help text).
     """
     flags = flags or load_flags()
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         description=f"Megatron-LM {flags['tag']} flags (vendored)", allow_abbrev=False
     )
     for rec in flags["flags"]:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import List, Literal, Optional
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.model_args import ModelArgs, RunArgs
 from megatron_mea.run_config import CUSTOM_TYPES, base_type, load_yaml
 from megatron_mea.variant import AttentionVariantFields, attribute_docs
@@ -51,6 +52,9 @@ class PretrainArgs(RunArgs):
     split: str = "969,30,1"
     mock_data: bool = False
     data_cache_path: Optional[str] = None
+    """Directory of the dataset index caches (built once, reused by later runs). Default:
+    data_cache/ in the run directory (--save); without --save, next to the data, which must
+    then be writable."""
     # ---- checkpoints, evaluation, logging -----------------------------------------------------
     save: Optional[str] = None
     load: Optional[str] = None
@@ -127,7 +131,7 @@ def _flag(name: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser: one flag per `PretrainArgs` field (dest = field name), defaults
     SUPPRESSed so that only what the user typed overrides the YAML file."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-pretrain",
         description="Megatron-Core pretraining with MEA / KHA attention.",
         argument_default=argparse.SUPPRESS,
@@ -213,6 +217,7 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
         )
     if not args.mock_data and not args.data_path:
         raise ValueError("data_path is required unless mock_data is set")
+    _check_data_cache(args)
     for name in ("train_iters", "micro_batch_size", "log_interval", "eval_interval", "seq_length"):
         if getattr(args, name) < 1:
             raise ValueError(f"{name} ({getattr(args, name)}) must be >= 1")
@@ -353,6 +358,28 @@ def _validate_virtual_pipeline(args: PretrainArgs, num_microbatches: int) -> Non
             f"({pp}) micro-batches per step; global_batch_size / (micro_batch_size x "
             f"data-parallel size) is {num_microbatches}"
         )
+
+
+def data_cache_dir(args: PretrainArgs) -> Optional[str]:
+    """Where the dataset index caches go (`data_cache_path`'s default: the run directory, so
+    read-only data works); None: next to the data, as Megatron-Core writes them."""
+    if args.data_cache_path or args.mock_data or not args.save:  # mock data has no files
+        return args.data_cache_path
+    return os.path.join(args.save, "data_cache")
+
+
+def _check_data_cache(args: PretrainArgs) -> None:
+    """Data whose index caches would go next to it must be writable (Megatron-Core fails deep
+    in the dataset builder otherwise)."""
+    if args.mock_data or not args.data_path or data_cache_dir(args):
+        return
+    for prefix in dataset_prefixes(args.data_path):
+        folder = os.path.dirname(os.path.abspath(prefix))
+        if os.path.isdir(folder) and not os.access(folder, os.W_OK):
+            raise ValueError(
+                f"data_path {prefix}: {folder} is not writable for the dataset index cache; "
+                "pass --data-cache-path DIR (or --save: the cache goes into the run directory)"
+            )
 
 
 def dataset_prefixes(data_path: List[str]) -> List[str]:

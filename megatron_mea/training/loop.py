@@ -35,7 +35,7 @@ from megatron_mea.run_config import save_config
 from megatron_mea.training import checkpointing, processes, run_dir
 from megatron_mea.training.signals import ExitSignalHandler
 from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
-from megatron_mea.training.arguments import PretrainArgs, dataset_prefixes
+from megatron_mea.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
 from megatron_mea.training.batches import MicroBatches
 from megatron_mea.training.model import build_optimizer, build_scheduler, wrap_ddp
 from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
@@ -133,7 +133,7 @@ class Trainer:
             from megatron_mea.data.checks import check_token_ids
 
             for prefix in dataset_prefixes(args.data_path):
-                check_token_ids(prefix, args.vocab_size, args.data_cache_path)
+                check_token_ids(prefix, args.vocab_size, data_cache_dir(args))
         self.rank = dist.get_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
@@ -184,7 +184,7 @@ class Trainer:
             0,
             args.seed,
             args.mock_data,
-            args.data_cache_path,
+            data_cache_dir(args),
         )
         # Rank 0 writes the dataset index caches; the others read them.
         if self.rank == 0:

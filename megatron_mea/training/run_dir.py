@@ -20,30 +20,21 @@ Three rules, checked on rank 0 before any model is built (`claim_run_directories
 import fcntl
 import logging
 import os
-import re
 import socket
 import time
 from typing import Optional, Tuple
 
-from megatron_mea.checkpoint.checks import TRACKER, latest_iteration
+from megatron_mea.checkpoint.checks import TRACKER, latest_iteration, saved_iterations
 from megatron_mea.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
 LOCK = "mea-pretrain.lock"
 METRICS = "metrics.jsonl"
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 class RunDirectoryError(ValueError):
     """A `--save` or `--load` directory this run must not use as asked (one line)."""
-
-
-def saved_iterations(root: str) -> list:
-    """The iterations of the `iter_XXXXXXX` directories under `root`, ascending."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root)) if m)
 
 
 class SaveLock:
@@ -54,9 +45,11 @@ class SaveLock:
         self.root = root
         self.path = os.path.join(root, LOCK)
         self.fd: Optional[int] = None
+        self.created = False  # whether acquire made the directory
 
     def acquire(self) -> None:
         """Take the lock or raise RunDirectoryError naming the run that holds it."""
+        self.created = not os.path.isdir(self.root)
         os.makedirs(self.root, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -90,7 +83,8 @@ class SaveLock:
         self.fd = fd
 
     def release(self) -> None:
-        """Remove the lock file and drop the lock (idempotent)."""
+        """Remove the lock file and drop the lock (idempotent); remove the directory too where
+        `acquire` made it and nothing was written there (a refused run leaves no empty --save)."""
         if self.fd is None:
             return
         try:
@@ -99,6 +93,11 @@ class SaveLock:
             pass
         os.close(self.fd)
         self.fd = None
+        if self.created:
+            try:
+                os.rmdir(self.root)
+            except OSError:  # not empty: the run wrote something
+                pass
 
 
 def _read(fd: int) -> str:

@@ -3,6 +3,7 @@
 import os
 import shutil
 
+import pytest
 import yaml
 from safetensors.torch import load_file
 
@@ -26,6 +27,11 @@ def test_import_and_export_through_the_command_line(checkpoints, tmp_path, capsy
     exported = load_file(os.path.join(out, "model.safetensors"))
     assert sorted(original) == sorted(exported)  # identity KHA folds away exactly
     assert all((original[k] == exported[k]).all() for k in original)
+    # --load may name the iter_XXXXXXX folder (as mea-generate and mea-eval take it)
+    folder = str(tmp_path / "hf-from-folder")
+    assert main(["--quiet", "export-hf", "--load", f"{meg}/iter_0000000", "--save", folder]) == 0
+    again = load_file(os.path.join(folder, "model.safetensors"))
+    assert all((again[k] == exported[k]).all() for k in exported)
 
 
 def test_layouts_the_model_cannot_take_are_refused_at_import(checkpoints, tmp_path, capsys):
@@ -39,7 +45,7 @@ def test_layouts_the_model_cannot_take_are_refused_at_import(checkpoints, tmp_pa
 def _one_error_line(capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    lines = [line for line in err.splitlines() if line.startswith("mea-convert: error: ")]
     assert len(lines) == 1, err
     return lines[0]
 
@@ -54,13 +60,13 @@ def test_refusals_are_one_line_and_leave_no_directory(checkpoints, tmp_path, cap
     ):
         bad = edited_copy(hf_dir, str(tmp_path / "bad"), edit_config=edit)
         assert main(["--quiet", "import-hf", "--hf-dir", bad, "--save", save]) == 2
-        assert _one_error_line(capsys) == f"error: {config}: {message}"
+        assert _one_error_line(capsys) == f"mea-convert: error: {config}: {message}"
         assert sorted(os.listdir(tmp_path)) == ["bad"]  # no --save directory
         shutil.rmtree(bad)
 
     before = sorted(os.listdir(hf_dir))  # --save the input folder: refused, left as it was
     assert main(["--quiet", "import-hf", "--hf-dir", hf_dir, "--save", hf_dir]) == 2
-    assert _one_error_line(capsys).startswith(f"error: {hf_dir}: not empty (holds config.json")
+    assert _one_error_line(capsys).startswith(f"mea-convert: error: {hf_dir}: not empty (holds config.json")
     assert sorted(os.listdir(hf_dir)) == before
 
     reference = edited_copy(hf_dir, str(tmp_path / "ref"), edit_config=lambda c: c.update(
@@ -69,3 +75,38 @@ def test_refusals_are_one_line_and_leave_no_directory(checkpoints, tmp_path, cap
                  "--save", str(tmp_path / "out"), "--reference", reference]) == 2
     assert "num_hidden_layers is 3, the checkpoint's model has 2" in _one_error_line(capsys)
     assert sorted(os.listdir(tmp_path)) == ["ref"]  # no weights without a config.json
+
+
+def test_messages_name_what_is_wrong_and_quiet_goes_anywhere(checkpoints, tmp_path, capsys,
+                                                             caplog):
+    import logging
+
+    from megatron_mea.cli.convert import build_parser
+    from megatron_mea.inference.loading import resolve_checkpoint
+
+    source = checkpoints.imported("qwen3")  # iteration 0
+    missing = str(tmp_path / "no-such-run")
+    out = str(tmp_path / "hf")
+    assert main(["export-hf", "--load", missing, "--save", out, "--quiet"]) == 2
+    assert _one_error_line(capsys) == f"mea-convert: error: {missing}: no such directory"
+    assert main(["export-hf", "--load", source, "--ckpt-step", "999", "--save", out]) == 2
+    assert _one_error_line(capsys) == (
+        f"mea-convert: error: {source}/iter_0000999: no such checkpoint (iterations saved "
+        "there: 0)")
+    assert not os.path.exists(out)
+    # mea-generate's loader says the same
+    with pytest.raises(FileNotFoundError, match=f"^{missing}: no such directory$"):
+        resolve_checkpoint(missing)
+    with pytest.raises(FileNotFoundError, match=r"iter_0000999: no such checkpoint \(iterations "
+                                                r"saved there: 0\)$"):
+        resolve_checkpoint(source, 999)
+    # the embedding and output layer are named, not "layer -1"
+    with caplog.at_level(logging.INFO, logger="megatron_mea"):
+        assert main(["export-hf", "--load", source, "--save", out]) == 0
+    assert "exported the embedding, final norm and output layer" in caplog.text
+    assert "layer -1" not in caplog.text
+    # --quiet before or after the sub-command
+    for argv in (["--quiet", "probe"], ["probe", "--quiet"], ["probe"]):
+        args = build_parser().parse_args([*argv, "--load", "x", "--num-kv-components", "1",
+                                          "--data-path", "d"])
+        assert args.quiet == ("--quiet" in argv)

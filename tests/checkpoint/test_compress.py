@@ -166,6 +166,32 @@ def test_compressing_a_subset_of_layers_keeps_the_others_exact(checkpoints, tmp_
         compress_checkpoint(source, str(tmp_path / "y"), 5)
 
 
+def test_cli_reports_the_counts_written_and_compression_never_adds_components(
+        checkpoints, tmp_path, capsys):
+    from megatron_mea.cli.convert import main
+
+    source = checkpoints.imported("qwen3")  # 2 layers, 4 K/V heads
+    subset = str(tmp_path / "subset")
+    assert main(["--quiet", "compress", "--load", source, "--save", subset,
+                 "--num-kv-components", "2", "--layers", "all-but-first-1"]) == 0
+    assert capsys.readouterr().out.strip() == (
+        f"wrote {subset} (MEA; K/V heads per layer, cached: [4, 2])")
+    # "Compressing" to more components than a layer has is refused: one line, nothing written.
+    grown = str(tmp_path / "grown")
+    assert main(["--quiet", "compress", "--load", subset, "--save", grown,
+                 "--num-kv-components", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "mea-convert: error: num_kv_components (4) exceeds the 2 K/V components layer 1 has: "
+        "compression cannot add components")
+    assert not os.path.exists(grown)
+    # A layer left out keeps its count (2), not the query groups (4).
+    again = compress_checkpoint(subset, str(tmp_path / "again"), 1, layers="0")
+    assert again.args.mea_num_kv_components_per_layer == [1, 2]
+    ids = tokens()
+    assert sorted(shape[2] for shape in _cache_shapes(str(tmp_path / "again"), ids).values()) == [
+        1, 2]
+
+
 @pytest.fixture(scope="module")
 def low_rank_first_layer(tmp_path_factory, single_rank):
     """A Llama whose layer 0 K/V already have rank 2 over heads (compressing it to 2 costs

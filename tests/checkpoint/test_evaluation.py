@@ -2,6 +2,7 @@
 (tests/eval_task: no dataset hub), checked against the same log-likelihoods computed directly
 from the Megatron model."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ TASK = "mea_local_choice"
 
 def _offline(monkeypatch, tmp_path):
     # The harness loads the JSONL through `datasets`' json builder: nothing may reach a hub.
-    monkeypatch.chdir(REPO)  # the task's data path is relative to the repository root
+    monkeypatch.chdir(tmp_path)  # any directory: the task's data path is relative to its folder
     for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(name, "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
@@ -81,3 +82,35 @@ def test_cli_refuses_a_checkpoint_without_a_tokenizer(single_rank, tmp_path, cap
     assert "has no tokenizer files and the model is not a byte-level one" in error
     assert main(["--load", imported, "--tasks", TASK, "--tokenizer", "byte-level"]) == 2
     assert "needs a vocabulary of >= 257 ids" in capsys.readouterr().err
+
+
+def test_cli_loads_an_older_checkpoint_by_step_or_by_folder(single_rank, tmp_path, monkeypatch,
+                                                           capsys):
+    """The hint of a corrupt newest checkpoint (`pass --ckpt-step 0`) is a flag mea-eval takes,
+    as mea-generate and mea-convert do; its `iter_XXXXXXX` folder as --load is the same."""
+    import shutil
+
+    from megatron_mea.cli.evaluate import main
+
+    _offline(monkeypatch, tmp_path)
+    checkpoint = Path(_byte_model(tmp_path, "mea", mea_head_norm=True))
+    older = checkpoint / "iter_0000000"
+    newest = checkpoint / "iter_0000010"
+    shutil.copytree(older, newest)
+    (checkpoint / "latest_checkpointed_iteration.txt").write_text("10")
+    shard = sorted(newest.glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:-1])  # truncated: a corrupt newest checkpoint
+    task = ["--tasks", TASK, "--include-path", str(TASK_DIR), "--tokenizer", "byte-level"]
+
+    assert main(["--load", str(checkpoint), *task]) == 2
+    assert "pass --ckpt-step 0 to load it instead" in capsys.readouterr().err
+    accuracies = []
+    for load in (["--load", str(checkpoint), "--ckpt-step", "0"],
+                 ["--load", f"{older}/", "--iteration", "0"]):
+        output = tmp_path / "results.json"
+        assert main([*load, *task, "--limit", "2", "--output-path", str(output)]) == 0, load
+        accuracies.append(json.loads(output.read_text())[TASK]["acc,none"])
+    assert accuracies[0] == accuracies[1]
+    assert main(["--load", str(older), "--ckpt-step", "10", *task]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"--ckpt-step 10 contradicts the checkpoint path {older}")

@@ -166,3 +166,38 @@ def test_padded_vocabulary_round_trips_and_keeps_the_logits(checkpoints, tmp_pat
     out = str(tmp_path / "out")
     export_hf_checkpoint(meg, out)
     assert_same_hf_checkpoint(hf_dir, out, config=False)
+
+
+@pytest.mark.parametrize("family,options", [
+    ("qwen3", {}), ("mixtral", {}), ("qwen3_moe", {}),
+    ("qwen3_moe", {"mea_head_norm": True}),  # MEA with the head norm: the native format
+], ids=["qwen3", "mixtral", "qwen3_moe", "qwen3_moe-native"])
+def test_training_settings_survive_export_and_import(checkpoints, tmp_path, family, options):
+    """Every training setting an HF config has a field for (HF_TRAINING_FIELDS) comes back from
+    export then import: continued pretraining trains as the run did (the MoE aux-loss
+    coefficient came back as transformers' default 0.001, ten times smaller than 0.01)."""
+    import shutil
+
+    import yaml
+
+    from megatron_mea.checkpoint import import_hf_checkpoint
+    from megatron_mea.checkpoint.hf_config import HF_TRAINING_FIELDS
+
+    run = str(tmp_path / "run")
+    variant = "mea" if options else "standard"
+    shutil.copytree(checkpoints.imported(family, variant, **options), run)
+    moe = family != "qwen3"
+    # Values no default has, one per field.
+    wanted = {name: 0.0125 * (index + 1) for index, (name, _, moe_only)
+              in enumerate(HF_TRAINING_FIELDS) if moe or not moe_only}
+    config_path = os.path.join(run, "config.yaml")
+    with open(config_path) as handle:
+        saved = yaml.safe_load(handle)
+    saved.update(wanted)
+    with open(config_path, "w") as handle:
+        yaml.safe_dump(saved, handle)
+    exported, again = str(tmp_path / "hf"), str(tmp_path / "again")
+    fmt = export_hf_checkpoint(run, exported)
+    assert fmt == ("native" if options else "plain")
+    back = import_hf_checkpoint(exported, again).args
+    assert {name: getattr(back, name) for name in wanted} == wanted

@@ -233,7 +233,7 @@ def test_cli_reports_refusals_with_exit_status_2(checkpoints, tmp_path, capsys):
     source = edited_copy(checkpoints.hf("llama")[0], str(tmp_path / "hf"),
                           edit_config=lambda c: c.update(hidden_act="gelu"))
     assert main(["--quiet", "import-hf", "--hf-dir", source, "--save", str(tmp_path / "o")]) == 2
-    assert "error: hidden_act ('gelu') is not supported" in capsys.readouterr().err
+    assert "mea-convert: error: hidden_act ('gelu') is not supported" in capsys.readouterr().err
     with pytest.raises(SystemExit) as usage:
         main(["import-hf", "--save", str(tmp_path / "o")])
     assert usage.value.code == 2

@@ -65,7 +65,7 @@ def test_a_multiple_tp_cannot_split_is_refused_in_one_line(odd_vocab, tmp_path, 
                  "--tensor-model-parallel-size", "8", "--make-vocab-size-divisible-by", "100"]) == 2
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "error: make_vocab_size_divisible_by (100) must be a positive multiple of "
+        "mea-convert: error: make_vocab_size_divisible_by (100) must be a positive multiple of "
         "tensor_model_parallel_size (8)"
     ], err
     assert not os.path.exists(save)

@@ -85,3 +85,24 @@ def test_a_prompt_past_the_trained_length_gets_one_warning_line(checkpoint):
     assert code == 0
     assert line.endswith("warning: prompt 0 (31 tokens) + --max-new-tokens 2 exceeds the "
                          "sequence length the model was trained at (32)"), line
+
+
+def test_the_export_of_a_byte_level_run_carries_its_tokenizer_and_eod(checkpoint, tmp_path,
+                                                                       single_rank):
+    """AutoTokenizer loads a byte-level export (lm_eval --model hf needs it) and encodes as
+    ByteLevelTokenizer does; `<eod>` is the eos token, so HF generate stops at a document end."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    from megatron_mea.checkpoint import export_hf_checkpoint
+    from megatron_mea.data.tokenizers import ByteLevelTokenizer
+
+    export = str(tmp_path / "hf")
+    export_hf_checkpoint(checkpoint, export)
+    tokenizer = AutoTokenizer.from_pretrained(export)
+    text = "h\u00e9llo, w\u00f6rld"
+    assert tokenizer(text)["input_ids"] == ByteLevelTokenizer().tokenize(text)
+    assert tokenizer.eos_token_id == ByteLevelTokenizer.EOD
+    assert tokenizer.decode(ByteLevelTokenizer().tokenize(text)) == text
+    config = AutoConfig.from_pretrained(export, trust_remote_code=True)
+    assert config.eos_token_id == ByteLevelTokenizer.EOD
+    assert GenerationConfig.from_model_config(config).eos_token_id == ByteLevelTokenizer.EOD

@@ -86,6 +86,7 @@ def train(tree: Path, script: str, args: Sequence[str], iterations: Sequence[int
         args: Megatron-LM flags.
         iterations: the iterations the run must log a loss for. (Megatron-LM exits with status 0
             on some failures, e.g. a checkpoint without RNG states.)
+        nproc: torchrun's processes; 0: one plain `python -m megatron_mea.cpu` process.
     Raises:
         AssertionError: with the end of the log, if the run fails or logs other iterations.
     """
@@ -97,8 +98,12 @@ def train(tree: Path, script: str, args: Sequence[str], iterations: Sequence[int
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
     )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "megatron_mea.cpu", str(path), *args]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    if nproc == 0:  # one process, without torchrun (nor its rendezvous variables)
+        launcher = []
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)
+    command = [sys.executable, *launcher, "-m", "megatron_mea.cpu", str(path), *args]
     result = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True,
                             timeout=timeout)
     log = result.stdout + result.stderr

@@ -154,6 +154,13 @@ except AttributeError as error:
 '''
 
 
+def test_pretrain_gpt_runs_in_one_plain_python_process(megatron_lm_tree):
+    # `python -m megatron_mea.cpu pretrain_gpt.py ...` without torchrun, as docs/cpu.md says
+    # (it stopped at "MASTER_ADDR expected, but not set").
+    train(megatron_lm_tree, "pretrain_gpt.py", [*TINY, "--train-iters", "2"], iterations=[1, 2],
+          nproc=0)
+
+
 def test_runner_patches_are_scoped_reversible_and_named(megatron_lm_tree):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(megatron_lm_tree), str(REPO)]))
     result = subprocess.run([sys.executable, "-c", RUNNER_CHECK], env=env, capture_output=True,

@@ -119,3 +119,47 @@ def test_generate_refuses_an_empty_prompt_before_loading(tmp_path, capsys):
         generate(["--load", str(tmp_path / "nothing-here"), "--prompt", "Hi", "--prompt", ""])
     assert exited.value.code == 2
     assert "prompt 1 is empty: a prompt needs at least one token" in capsys.readouterr().err
+
+
+def test_the_dataset_index_cache_goes_into_the_run_directory(dataset, tmp_path):
+    """Read-only data trains: the index caches are written under --save (data_cache/), not next
+    to the data, unless --data-cache-path says otherwise."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for suffix in (".bin", ".idx"):
+        shutil.copy(dataset + suffix, data / ("ds" + suffix))
+    save = tmp_path / "run"
+    command = [sys.executable, "-m", "megatron_mea.cli.pretrain", "--num-layers", "2",
+               "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "0",
+               "--no-progress-bar", "--data-path", str(data / "ds"), "--split", "1,0,0",
+               "--train-iters", "1", "--eval-iters", "0", "--save", str(save)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                            env=standalone_environment())
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(os.listdir(data)) == ["ds.bin", "ds.idx"]  # nothing written next to the data
+    assert any((save / "data_cache").rglob("*.npy")), sorted(save.rglob("*"))
+
+
+def test_data_that_cannot_hold_its_cache_is_refused_with_a_hint(dataset, monkeypatch):
+    # Without --save or --data-cache-path the cache goes next to the data: its folder must be
+    # writable (os.access answers True for root whatever the mode, so the answer is set here).
+    import os
+
+    from megatron_mea.training import arguments
+    from megatron_mea.training.arguments import PretrainArgs, validate
+
+    folder = os.path.dirname(dataset)
+    monkeypatch.setattr(arguments.os, "access", lambda path, mode: path != folder)
+    args = PretrainArgs(data_path=[dataset], num_layers=2, hidden_size=64,
+                        num_attention_heads=4, split="1,0,0")
+    with pytest.raises(ValueError, match=rf"^data_path {dataset}: {folder} is not writable for "
+                                         r"the dataset index cache; pass --data-cache-path DIR"):
+        validate(args)
+    validate(PretrainArgs(**{**vars(args), "data_cache_path": "cache"}))
+    validate(PretrainArgs(**{**vars(args), "save": "run"}))
+    assert "the dataset index caches" in arguments.build_parser().format_help()  # --help says it

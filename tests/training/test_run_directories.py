@@ -193,3 +193,20 @@ def test_second_writer_sigkill_and_a_typo_lose_nothing(tmp_path):
     assert status == 2 and re.search(r"--load .*runx: no such directory; pass "
                                      r"--no-exit-on-missing-checkpoint", line)
     assert open(tracker).read() == saved  # nothing was overwritten
+
+
+def test_a_refused_run_leaves_no_save_directory_behind(tmp_path):
+    save = str(tmp_path / "new-run")
+    with pytest.raises(RunDirectoryError, match="no such directory"):
+        claim_run_directories(_args(save=save, load=str(tmp_path / "no-such-run")))
+    assert not os.path.exists(save)
+    # A --save that existed stays, and one the run wrote to is kept.
+    os.makedirs(save)
+    with pytest.raises(RunDirectoryError):
+        claim_run_directories(_args(save=save, load=str(tmp_path / "no-such-run")))
+    assert os.listdir(save) == []
+    written = SaveLock(str(tmp_path / "written"))
+    written.acquire()
+    (tmp_path / "written" / "metrics.jsonl").write_text("{}\n")
+    written.release()
+    assert os.listdir(tmp_path / "written") == ["metrics.jsonl"]

@@ -1,0 +1,41 @@
+"""One convention for every tool's refusals: one line, `mea-<tool>: error: ...`, exit status 2,
+no usage dump (argparse printed 95 lines of usage first, 578 for mea-model-size); `mea-dry-run
+--help` shows its own `-- <flags>` form, Megatron-LM's flags behind `--help-all`."""
+
+import importlib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_MODULES = sorted(p.stem for p in (ROOT / "megatron_mea" / "cli").glob("*.py")
+                     if not p.stem.startswith("_"))
+
+
+def _tool(module: str) -> str:
+    return "mea-" + {"evaluate": "eval"}.get(module, module).replace("_", "-")
+
+
+@pytest.mark.parametrize("module", CLI_MODULES)
+def test_a_flag_typo_is_one_line_and_exit_2(module, capsys):
+    main = importlib.import_module(f"megatron_mea.cli.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main(["--no-such-flag"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{_tool(module)}: error: "), err
+
+
+def test_dry_run_help_is_its_own_and_megatrons_flags_are_behind_help_all(capsys):
+    from megatron_mea.cli.dry_run import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    own = capsys.readouterr().out
+    assert own.startswith("usage: mea-dry-run [--world-size N] [...] -- <Megatron-LM flags>")
+    assert "--help-all" in own and "--num-layers" not in own
+    assert main(["--help-all"]) == 0
+    assert "--num-layers" in capsys.readouterr().out

@@ -1,0 +1,67 @@
+"""The README's examples run as written: the "Use" snippet, `mea-preprocess` then the paths the
+pretraining and sweep examples read, and the run directories the demo writes that the eval and
+generate examples load. A doc example that cannot run fails here."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _env():
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, PYTHONPATH=path, PYTHONWARNINGS="ignore")
+
+
+def _bash_blocks(text):
+    """Every command of the ```bash blocks, continuation lines joined, comments dropped."""
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+        for command in block.replace("\\\n", " ").splitlines():
+            command = re.sub(r"\s+#.*$", "", command).strip()
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
+
+
+def test_the_use_snippet_runs(tmp_path):
+    snippet = re.search(r"## Use\n\n```python\n(.*?)```", README, re.S).group(1)
+    run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+def test_preprocess_writes_what_the_training_examples_read(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "one document"}\n')
+    (tmp_path / "notes.txt").write_text("another document\n")
+    (preprocess,) = [c for c in _bash_blocks(README)
+                     if c.startswith("mea-preprocess") and "ByteLevelTokenizer" in c]
+    command = preprocess.replace("mea-preprocess", shlex.quote(sys.executable)
+                                 + " -m megatron_mea.cli.preprocess", 1)
+    run = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data_paths = {shlex.split(c)[shlex.split(c).index("--data-path") + 1]
+                  for c in _bash_blocks(README) if "--data-path data/" in c}
+    assert data_paths, "no example reads the preprocessed data"
+    for prefix in data_paths:
+        assert (tmp_path / f"{prefix}.bin").is_file() and (tmp_path / f"{prefix}.idx").is_file(), (
+            f"--data-path {prefix}: mea-preprocess as the README runs it does not write it")
+
+
+def test_the_eval_and_generate_examples_load_the_demos_run_directories():
+    demo = (ROOT / "megatron_mea" / "cli" / "demo.py").read_text(encoding="utf-8")
+    out = re.search(r'"--out", default="([^"]+)"', demo).group(1)
+    assert 'os.path.join(out, "runs", name)' in demo
+    # The examples on the demo's checkpoints (others name placeholders: CKPT, /ckpt/kha).
+    loads = [load for load in re.findall(r"mea-(?:eval|generate) --load (\S+)", README)
+             if load.startswith(out)]
+    assert len(loads) >= 3
+    for load in loads:
+        assert os.path.dirname(load) == os.path.join(out, "runs"), load  # demo: <out>/runs/<name>
