@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cli import lr_sweep
 from megatron_mea.cli.demo import prepare_data
 from megatron_mea.training.sweep_runs import load_sweep
@@ -75,7 +76,7 @@ PLOTS = ("loss_vs_step.png", "final_loss_vs_lr.png")
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line flags."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="mea-reproduce", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join("runs", "reproduce"),
