@@ -2,6 +2,7 @@
 (real processes)."""
 
 import json
+import math
 import os
 import pickle
 import re
@@ -607,3 +608,36 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
                         r"answering \(no heartbeat\); no checkpoint of this run yet", line[0])
     # The timeout, the heartbeat check (2.5 beats of 0.9 s) and the exit, with a margin.
     assert waited < timeout_minutes * 60 + 8, waited
+
+
+# ---- data: regenerated at the same path, changed under a running job ---------------------------
+
+
+def _write_data(prefix, documents):
+    """Byte-level `.bin/.idx` of `documents` at `prefix` (replacing what is there)."""
+    from megatron_mea.data import build_tokenizer, preprocess_files
+
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    with open(prefix + ".jsonl", "w") as handle:
+        handle.writelines(json.dumps({"text": text}) + "\n" for text in documents)
+    preprocess_files([prefix + ".jsonl"], prefix, build_tokenizer("ByteLevelTokenizer"),
+                     append_eod=True, progress=False)
+
+
+def _data_argv(prefix, cache):
+    return [*(a for a in TINY if a != "--mock-data"), "--data-path", prefix, "--split", "1,0,0",
+            "--eval-iters", "0", "--data-cache-path", cache]
+
+
+def test_data_regenerated_at_the_same_path_trains_on_the_new_data(tmp_path):
+    prefix, cache = str(tmp_path / "data" / "corpus"), str(tmp_path / "cache")
+    argv = [*_data_argv(prefix, cache), "--train-iters", "1"]
+    _write_data(prefix, [f"old document {i} " * (4 + i % 9) for i in range(200)])
+    run_distributed(_train, 1, argv)
+    # Fewer, shorter documents: the old cached indices point past the new data's end.
+    _write_data(prefix, [f"NEW {i} " * (2 + i % 3) for i in range(12)])
+    losses = run_distributed(_train, 1, argv)[0]
+    assert len(losses) == 1 and math.isfinite(losses[0])
+    # Megatron's index files of each version of the data, side by side.
+    documents = [n for n in os.listdir(cache) if n.endswith("-document_index.npy")]
+    assert len(documents) == 2, sorted(os.listdir(cache))

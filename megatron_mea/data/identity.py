@@ -1,0 +1,57 @@
+"""What a `--data-path` prefix holds, as far as the run depends on it.
+
+`data_identity`: a digest of the `.idx` content and the `.bin` size, put in the key under which
+Megatron caches its sample indices (`--data-cache-path`). Megatron keys them by the settings and
+the path only, so data regenerated at the same path was read through the old data's offsets (an
+IndexError, or silently other samples).
+"""
+
+import hashlib
+import json
+import os
+from typing import Optional
+
+from megatron_mea.files import atomic_write
+
+_CACHE = "data_identity.json"
+_BLOCK = 1 << 24  # bytes hashed per read
+
+
+def _stat_key(path: str) -> str:
+    stat = os.stat(path)
+    return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def data_identity(prefix: str, cache_dir: Optional[str] = None) -> str:
+    """`<blake2b of prefix.idx>-<bytes of prefix.bin>`: equal for equal data on any node.
+
+    The `.idx` (20 bytes per document) is hashed in full, once per file version: the digest is
+    kept in `cache_dir/data_identity.json`, keyed by the file's path, size and modification time.
+    """
+    idx = prefix + ".idx"
+    key = _stat_key(idx)
+    cache = os.path.join(cache_dir, _CACHE) if cache_dir else None
+    known = _read_cache(cache)
+    digest = known.get(key)
+    if digest is None:
+        hasher = hashlib.blake2b(digest_size=16)
+        with open(idx, "rb") as handle:
+            for block in iter(lambda: handle.read(_BLOCK), b""):
+                hasher.update(block)
+        digest = hasher.hexdigest()
+        if cache:
+            os.makedirs(cache_dir, exist_ok=True)
+            known[key] = digest
+            with atomic_write(cache) as handle:  # every rank may: one temporary file each
+                json.dump(known, handle)
+    return f"{digest}-{os.path.getsize(prefix + '.bin')}"
+
+
+def _read_cache(cache: Optional[str]) -> dict:
+    if not cache or not os.path.isfile(cache):
+        return {}
+    try:
+        with open(cache, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return {}  # a damaged cache is only a cache: hash again
