@@ -54,6 +54,11 @@ class CollectiveTimeout(RuntimeError):
     that stopped answering and the last checkpoint."""
 
 
+class RunFailure(RuntimeError):
+    """A write of the run failed while it trained (a checkpoint, `metrics.jsonl`): the message
+    says what failed and names the last checkpoint (the CLI exits 1 with it, one line)."""
+
+
 class TrainingInterrupted(RuntimeError):
     """A signal stopped the run after the step in flight (`--exit-signal-handler`); the message
     names the checkpoint saved.
@@ -108,6 +113,8 @@ class Trainer:
         self.args = args
         initialize(args, timeout_minutes=args.distributed_timeout_minutes)
         self.heartbeat, self.save_lock = None, None
+        # What failed on this rank in the step just done (the ranks agree on it after the step).
+        self.failure = None
         # The newest checkpoint of this run, loaded or saved: (directory, iteration).
         self.last_checkpoint = None
         try:
@@ -406,8 +413,13 @@ class Trainer:
             history.append(record)
             if self.rank == 0:
                 self._report(record, progress, metrics_path)
-            # Every rank learns of a signal any rank got, so all save together.
-            signum = signals.agreed_signal()
+            # Every rank learns of a signal any rank got, so all save together, and of a
+            # failure on any rank, so all stop.
+            signum, failed_rank = signals.agreed_stop(self.failure is not None)
+            if failed_rank is not None:
+                cause = self.failure or f"rank {failed_rank} failed (its own line says why)"
+                raise RunFailure(f"iteration {self.iteration}: {cause}; "
+                                 f"{self._last_checkpoint_text()}")
             done = self.iteration >= args.train_iters
             stop = args.exit_interval and self.iteration - started_at >= args.exit_interval
             saved = False
@@ -461,25 +473,42 @@ class Trainer:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
         # Megatron's writer starts helper processes: they must not outlive a killed run.
         processes.children_die_with_parent()
-        checkpointing.save_checkpoint(
-            root, self.iteration, self.modules, self.optimizer, self.scheduler,
-            self.consumed_samples,
-            use_distributed_optimizer=self.args.use_distributed_optimizer,
-            fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
-            data_settings=data_settings(self.args),
-            megatron_lm_args=megatron_lm_arguments(
-                self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
-            ),
-        )
+        try:
+            checkpointing.save_checkpoint(
+                root, self.iteration, self.modules, self.optimizer, self.scheduler,
+                self.consumed_samples,
+                use_distributed_optimizer=self.args.use_distributed_optimizer,
+                fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
+                data_settings=data_settings(self.args),
+                megatron_lm_args=megatron_lm_arguments(
+                    self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
+                ),
+            )
+        except checkpointing.SaveFailed as exc:
+            raise RunFailure(f"iteration {self.iteration}: {exc}; "
+                             f"{self._last_checkpoint_text()}") from None
         self.last_checkpoint = (root, self.iteration)
+
+    def _append_metrics(self, path: str, record: dict) -> None:
+        """Append `record` to metrics.jsonl; a failed write (a full disk) is cut back to the
+        last whole line and recorded in `self.failure`, which stops the run after the step."""
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        try:
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            self.failure = f"writing {path} failed: {checkpointing.describe_failure(exc)}"
+            try:
+                os.truncate(path, size)
+            except OSError:
+                pass  # a partial last line: readers of the file skip it
 
     def _report(self, record, progress, metrics_path):
         args = self.args
         scalars = {k: v for k, v in record.items() if k != "iteration"}
         self.tensorboard.add(scalars, record["iteration"])
         if metrics_path:
-            with open(metrics_path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
+            self._append_metrics(metrics_path, record)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{record['lm loss']:.3f}")

@@ -641,3 +641,96 @@ def test_data_regenerated_at_the_same_path_trains_on_the_new_data(tmp_path):
     # Megatron's index files of each version of the data, side by side.
     documents = [n for n in os.listdir(cache) if n.endswith("-document_index.npy")]
     assert len(documents) == 2, sorted(os.listdir(cache))
+
+
+# ---- run-time failures: a full disk during a save or a metrics.jsonl write -------------------
+
+# mea-pretrain whose files may grow to LIMIT bytes once its first checkpoint is saved
+# (RLIMIT_FSIZE: the kernel fails a write past it with EFBIG, as a full disk fails one with
+# ENOSPC; Python ignores SIGXFSZ). LIMIT "metrics" is the size metrics.jsonl then has.
+FILE_SIZE_LIMIT = """
+import os, resource, sys
+if __name__ == "__main__":
+    from megatron_mea.training import loop
+    from megatron_mea.cli.pretrain import main
+    save, limit = loop.Trainer.save, sys.argv[1]
+    def save_then_limit(self, root):
+        save(self, root)
+        size = os.path.getsize(os.path.join(root, "metrics.jsonl")) if limit == "metrics" else int(limit)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))
+    loop.Trainer.save = save_then_limit
+    sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _run_with_file_size_limit(limit, argv):
+    run = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT, limit, *argv], cwd=ROOT,
+                         env=standalone_environment(), capture_output=True, text=True,
+                         timeout=300)
+    return run.returncode, run.stderr
+
+
+def test_a_save_that_fails_for_space_ends_in_one_line_and_leaves_no_tmp(tmp_path):
+    save = str(tmp_path / "ckpt")
+    status, stderr = _run_with_file_size_limit(
+        "20000", [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"])
+    assert status == 1, stderr[-3000:]
+    assert re.fullmatch(
+        rf"mea-pretrain: error: iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 "
+        r"failed: rank 0: .*File too large; its partial iter_0000004.tmp was removed; the last "
+        rf"checkpoint is {re.escape(save)}/iter_0000002", _one_line_error(stderr))
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
+
+
+def test_a_metrics_write_that_fails_ends_in_one_line_keeping_whole_lines(tmp_path):
+    save = str(tmp_path / "ckpt")
+    status, stderr = _run_with_file_size_limit(
+        "metrics", [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"])
+    assert status == 1, stderr[-3000:]
+    metrics = os.path.join(save, "metrics.jsonl")
+    assert re.fullmatch(
+        rf"mea-pretrain: error: iteration 3: writing {re.escape(metrics)} failed: File too "
+        rf"large; the last checkpoint is {re.escape(save)}/iter_0000002",
+        _one_line_error(stderr))
+    with open(metrics) as handle:
+        assert [json.loads(line)["iteration"] for line in handle] == [1, 2]
+
+
+
+def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
+    """Train; after the first checkpoint, rank `limited_rank` may write files of `limit` bytes
+    only. Returns the RunFailure's line."""
+    import resource
+
+    from megatron_mea.training import loop
+    from megatron_mea.training.arguments import parse_args
+
+    save = loop.Trainer.save
+
+    def save_then_limit(self, root):
+        save(self, root)
+        if rank == limited_rank:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+
+    loop.Trainer.save = save_then_limit
+    try:
+        loop.pretrain(parse_args(argv))
+    except loop.RunFailure as exc:
+        return str(exc)
+    return None
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank_at_tp2(tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    lines = run_distributed(_train_with_file_size_limit, 2, argv, 1, 20000)
+    # Rank 0 coordinates the writer and holds rank 1's error (torch's archive writer reports
+    # the short write as "unexpected pos"); rank 1 learns that the save failed.
+    assert re.fullmatch(rf"iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 failed: "
+                        r"rank 1: Worker failure: .*; its partial iter_0000004.tmp was removed; the "
+                        rf"last checkpoint is {re.escape(save)}/iter_0000002", lines[0]), lines
+    cause = lines[0][lines[0].index("rank 1: "):lines[0].index("; its partial")]
+    assert lines[1] == lines[0].replace(cause, "the checkpoint writer failed on another rank")
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
