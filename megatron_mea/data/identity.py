@@ -1,15 +1,21 @@
 """What a `--data-path` prefix holds, as far as the run depends on it.
 
-`data_identity`: a digest of the `.idx` content and the `.bin` size, put in the key under which
-Megatron caches its sample indices (`--data-cache-path`). Megatron keys them by the settings and
-the path only, so data regenerated at the same path was read through the old data's offsets (an
-IndexError, or silently other samples).
+- `data_identity`: a digest of the `.idx` content and the `.bin` size, put in the key under
+  which Megatron caches its sample indices (`--data-cache-path`). Megatron keys them by the
+  settings and the path only, so data regenerated at the same path was read through the old
+  data's offsets (an IndexError, or silently other samples).
+- `DataWatch`: the files' size and modification time when the run loaded them, checked before
+  every micro-batch is read, so that a file truncated or rewritten under a running job stops it
+  with one line naming the file. Megatron maps the files read-only; a truncation that lands
+  while a micro-batch is being read is a SIGBUS no process can turn into a message.
 """
 
 import hashlib
 import json
 import os
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
+
+from megatron_mea.data.checks import DatasetError
 
 from megatron_mea.files import atomic_write
 
@@ -55,3 +61,38 @@ def _read_cache(cache: Optional[str]) -> dict:
             return json.load(handle)
     except (OSError, ValueError):
         return {}  # a damaged cache is only a cache: hash again
+
+
+class DataChanged(DatasetError):
+    """A dataset file changed under the running job (the message names it)."""
+
+
+class DataWatch:
+    """The `.idx`/`.bin` files of `prefixes` as they were when the run loaded them.
+
+    Args:
+        prefixes: `--data-path` prefixes (without weights).
+    """
+
+    def __init__(self, prefixes: List[str]):
+        self.files: Dict[str, Tuple[int, int]] = {}
+        for prefix in prefixes:
+            for path in (prefix + ".idx", prefix + ".bin"):
+                stat = os.stat(path)
+                self.files[path] = (stat.st_size, stat.st_mtime_ns)
+
+    def check(self) -> None:
+        """Raise `DataChanged` naming the first file whose size or modification time is no
+        longer the load's (one stat per file: microseconds)."""
+        for path, (size, mtime) in self.files.items():
+            try:
+                stat = os.stat(path)
+            except OSError as exc:
+                raise DataChanged(f"{path}: gone under the running job "
+                                  f"({exc.strerror})") from None
+            if stat.st_size != size:
+                raise DataChanged(f"{path}: changed under the running job ({size} bytes when "
+                                  f"the run loaded it, {stat.st_size} now)")
+            if stat.st_mtime_ns != mtime:
+                raise DataChanged(f"{path}: rewritten under the running job (modified after "
+                                  "the run loaded it)")

@@ -200,6 +200,12 @@ class Trainer:
         if self.rank != 0:
             datasets = build()
         self.train_data, self.valid_data = datasets[0], datasets[1]
+        # A file changed under the run is named before a micro-batch reads it.
+        self.data_watch = None
+        if args.data_path and not args.mock_data:
+            from megatron_mea.data.identity import DataWatch
+
+            self.data_watch = DataWatch(dataset_prefixes(args.data_path))
         if args.eval_iters == 0:
             self.valid_data = None  # no evaluation
         self.train_batches = self._batches(self.train_data, consumed)
@@ -257,6 +263,7 @@ class Trainer:
         make = partial(
             MicroBatches, dataset, self.args.micro_batch_size,
             parallel_state.get_data_parallel_rank(), self.dp_size, consumed,
+            before_read=self.data_watch.check if self.data_watch is not None else None,
         )
         if len(self.model) == 1:
             return make()
@@ -282,15 +289,25 @@ class Trainer:
         # The schedules allocate small scratch tensors on "cuda" (a no-op context on GPUs; see
         # megatron_mea.cpu).
         with cuda_device_to_cpu():
-            loss_dicts = self.forward_backward_func(
-                forward_step_func=_forward_step,
-                data_iterator=self.train_batches if batches is None else batches,
-                model=self.model,
-                num_microbatches=self.num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=forward_only,
-            )
+            try:
+                loss_dicts = self.forward_backward_func(
+                    forward_step_func=_forward_step,
+                    data_iterator=self.train_batches if batches is None else batches,
+                    model=self.model,
+                    num_microbatches=self.num_microbatches,
+                    seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size,
+                    forward_only=forward_only,
+                )
+            except Exception as exc:
+                # Data changed under the run (checked before each micro-batch; a read that
+                # failed mid-batch is checked here): one line naming the file, not the
+                # IndexError it causes.
+                changed = self._data_changed(exc)
+                if changed is None:
+                    raise
+                raise RunFailure(f"iteration {self.iteration + 1}: {changed}; "
+                                 f"{self._last_checkpoint_text()}") from None
             return _mean_over_data_parallel(loss_dicts)
 
     def train_step(self) -> dict:
@@ -329,6 +346,21 @@ class Trainer:
                 )
             scalars.update({name: float(value) for name, value in moe.items()})
         return scalars
+
+    def _data_changed(self, exc: Exception):
+        """The line naming a data file changed under the run, if `exc` came from one (None:
+        the data files are as loaded)."""
+        from megatron_mea.data.identity import DataChanged
+
+        if isinstance(exc, DataChanged):
+            return str(exc)
+        if self.data_watch is None:
+            return None
+        try:
+            self.data_watch.check()
+        except DataChanged as changed:
+            return str(changed)
+        return None
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:
         """Apply `nan_policy` to a step whose loss or grad norm is NaN/Inf (all ranks agree:

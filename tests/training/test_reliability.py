@@ -675,9 +675,10 @@ def test_a_save_that_fails_for_space_ends_in_one_line_and_leaves_no_tmp(tmp_path
     status, stderr = _run_with_file_size_limit(
         "20000", [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"])
     assert status == 1, stderr[-3000:]
+    # The writer's cause: EFBIG, or torch's archive writer's "unexpected pos" for a short write.
     assert re.fullmatch(
         rf"mea-pretrain: error: iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 "
-        r"failed: rank 0: .*File too large; its partial iter_0000004.tmp was removed; the last "
+        r"failed: rank 0: .+; its partial iter_0000004.tmp was removed; the last "
         rf"checkpoint is {re.escape(save)}/iter_0000002", _one_line_error(stderr))
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
@@ -734,3 +735,46 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_tp2(tmp_path):
     cause = lines[0][lines[0].index("rank 1: "):lines[0].index("; its partial")]
     assert lines[1] == lines[0].replace(cause, "the checkpoint writer failed on another rank")
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
+
+
+def _train_changing_data(rank, world_size, argv, prefix, how):
+    """Train; right after the first checkpoint the data at `prefix` is changed in place
+    (`how`). Returns the RunFailure's line."""
+    from megatron_mea.training import loop
+    from megatron_mea.training.arguments import parse_args
+
+    save = loop.Trainer.save
+
+    def save_then_change(self, root):
+        save(self, root)
+        if how == "truncated .bin":
+            os.truncate(prefix + ".bin", os.path.getsize(prefix + ".bin") // 2)
+        else:  # another dataset's index written over this one, in place, at the same size
+            with open(prefix + ".other.idx", "rb") as other, open(prefix + ".idx", "r+b") as idx:
+                idx.write(other.read(os.path.getsize(prefix + ".idx")))
+
+    loop.Trainer.save = save_then_change
+    try:
+        loop.pretrain(parse_args(argv))
+    except loop.RunFailure as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("how,culprit,change", [
+    ("truncated .bin", ".bin", r"changed under the running job \(\d+ bytes when the run loaded "
+                               r"it, \d+ now\)"),
+    ("overwritten .idx", ".idx", r"rewritten under the running job \(modified after the run "
+                                 r"loaded it\)"),
+], ids=["truncated-bin", "overwritten-idx"])
+def test_data_changed_under_a_running_job_ends_in_one_line_naming_the_file(
+    tmp_path, how, culprit, change
+):
+    prefix, save = str(tmp_path / "data" / "corpus"), str(tmp_path / "ckpt")
+    _write_data(prefix + ".other", [f"other {i} " * (1 + i % 4) for i in range(300)])
+    _write_data(prefix, [f"document {i} " * (4 + i % 9) for i in range(200)])
+    argv = [*_data_argv(prefix, str(tmp_path / "cache")), "--train-iters", "4", "--save", save,
+            "--save-interval", "1"]
+    line = run_distributed(_train_changing_data, 1, argv, prefix, how)[0]
+    assert re.fullmatch(rf"iteration 2: {re.escape(prefix + culprit)}: {change}; the last "
+                        rf"checkpoint is {re.escape(save)}/iter_0000001", str(line)), line
