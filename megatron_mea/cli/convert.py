@@ -62,18 +62,36 @@ def _import_hf(args):
           f"--load {args.save} ...)")
 
 
+def _resolve_iteration(args) -> int:
+    """The iteration of `--load` this command reads (`--iteration`, or the one `latest` names),
+    fixed before reading, so the line that reports it names what was read."""
+    from megatron_mea.checkpoint.checks import latest_iteration
+    from megatron_mea.checkpoint.megatron_io import resolve_checkpoint
+
+    resolve_checkpoint(args.load, args.iteration)  # a missing checkpoint: refused, named
+    return args.iteration if args.iteration is not None else latest_iteration(args.load)
+
+
+def _report_read(args, iteration: int) -> None:
+    # Which checkpoint an export holds is otherwise nowhere to be seen (a rewound run's
+    # directory may hold several with the same iteration over time).
+    print(f"mea-convert {args.command}: read iteration {iteration} from {args.load}")
+
+
 def _export_hf(args):
     from megatron_mea.checkpoint import export_hf_checkpoint
 
+    iteration = _resolve_iteration(args)
     fmt = export_hf_checkpoint(
         args.load,
         args.save,
         format=args.format,
         reference=args.reference,
         dtype=DTYPES[args.dtype] if args.dtype else None,
-        iteration=args.iteration,
+        iteration=iteration,
         max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
     )
+    _report_read(args, iteration)
     hint = " (import megatron_mea.hf or pass trust_remote_code=True)" if fmt == "native" else ""
     print(f"wrote {args.save} in the {fmt} format{hint}")
 
@@ -81,14 +99,16 @@ def _export_hf(args):
 def _compress(args):
     from megatron_mea.checkpoint import compress_checkpoint
 
+    iteration = _resolve_iteration(args)
     compress_checkpoint(
         args.load,
         args.save,
         args.num_kv_components,
         layers=args.layers,
         mea_head_norm=args.mea_head_norm,
-        iteration=args.iteration,
+        iteration=iteration,
     )
+    _report_read(args, iteration)
     print(f"wrote {args.save} (MEA, {args.num_kv_components} K/V components per layer)")
 
 
@@ -99,9 +119,11 @@ def _probe(args):
     num_layers = ModelDescription.load(args.load).args.num_layers
     layers = select_layers(args.layers, num_layers)
     tokens = load_tokens(args.data_path, args.seq_length, args.num_samples)
+    iteration = _resolve_iteration(args)
     result = probe_layers(args.load, tokens, args.num_kv_components, layers=layers,
-                          micro_batch_size=args.micro_batch_size, iteration=args.iteration)
+                          micro_batch_size=args.micro_batch_size, iteration=iteration)
     print(result.table())
+    _report_read(args, iteration)
 
 
 def build_parser() -> argparse.ArgumentParser:
