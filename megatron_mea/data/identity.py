@@ -5,7 +5,7 @@
   settings and the path only, so data regenerated at the same path was read through the old
   data's offsets (an IndexError, or silently other samples).
 - `DataWatch`: the files' size and modification time when the run loaded them, checked before
-  every micro-batch is read, so that a file truncated or rewritten under a running job stops it
+  micro-batches are read (every one, unless the checks would take over 1% of the time), so that a file truncated or rewritten under a running job stops it
   with one line naming the file. Megatron maps the files read-only; a truncation that lands
   while a micro-batch is being read is a SIGBUS no process can turn into a message.
 """
@@ -13,10 +13,10 @@
 import hashlib
 import json
 import os
+import time
 from typing import Dict, List, Optional, Tuple
 
 from megatron_mea.data.checks import DatasetError
-
 from megatron_mea.files import atomic_write
 
 _CACHE = "data_identity.json"
@@ -75,6 +75,7 @@ class DataWatch:
     """
 
     def __init__(self, prefixes: List[str]):
+        self._next_check = 0.0  # time.monotonic() from which `check_often` checks again
         self.files: Dict[str, Tuple[int, int]] = {}
         for prefix in prefixes:
             for path in (prefix + ".idx", prefix + ".bin"):
@@ -96,3 +97,15 @@ class DataWatch:
             if stat.st_mtime_ns != mtime:
                 raise DataChanged(f"{path}: rewritten under the running job (modified after "
                                   "the run loaded it)")
+
+    def check_often(self) -> None:
+        """`check`, unless the last one ended less than 100 times its own duration ago: the
+        checks take at most 1% of the time. A few files on a local disk take microseconds, so
+        every micro-batch is checked; a blend of thousands of files on a network file system
+        is checked less often."""
+        start = time.monotonic()
+        if start < self._next_check:
+            return
+        self.check()
+        end = time.monotonic()
+        self._next_check = end + 100 * (end - start)

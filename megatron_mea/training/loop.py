@@ -263,7 +263,7 @@ class Trainer:
         make = partial(
             MicroBatches, dataset, self.args.micro_batch_size,
             parallel_state.get_data_parallel_rank(), self.dp_size, consumed,
-            before_read=self.data_watch.check if self.data_watch is not None else None,
+            before_read=self.data_watch.check_often if self.data_watch is not None else None,
         )
         if len(self.model) == 1:
             return make()

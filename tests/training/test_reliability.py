@@ -286,8 +286,10 @@ def test_cli_refuses_another_models_checkpoint_in_one_line(saved_checkpoint):
 def test_cli_refuses_a_layout_the_heads_do_not_divide_in_one_line(saved_checkpoint):
     # The model's shape comes from the flags, which must match the checkpoint's: at TP=4 its
     # 2 query groups cannot be split (refused before any process starts).
+    # (--sequence-parallel: MoE at TP > 1 without it is refused before the heads are looked at.)
     status, stderr = _cli([*TINY, "--train-iters", "4", "--load", saved_checkpoint,
-                           "--tensor-model-parallel-size", "4"], WORLD_SIZE="4")
+                           "--tensor-model-parallel-size", "4", "--sequence-parallel"],
+                          WORLD_SIZE="4")
     assert status == 2
     line = _one_line_error(stderr)
     assert re.search(r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size "
