@@ -83,10 +83,14 @@ class SaveLock:
         if stale:
             logger.warning("--save %s: stale lock of a run that is no longer running (%s); "
                            "taking it over", self.root, stale)
-        os.ftruncate(fd, 0)
         holder = (f"pid {os.getpid()} on {socket.gethostname()}, started "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
-        os.pwrite(fd, holder.encode("ascii", "replace"), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode("ascii", "replace"), 0)
+        except OSError:  # no space for the holder's line: not held (the caller says why)
+            os.close(fd)
+            raise
         self.fd = fd
 
     def release(self) -> None:

@@ -227,3 +227,21 @@ def test_a_read_only_save_is_refused_before_anything_is_written(tmp_path):
             claim_run_directories(_args(save=str(tmp_path / "save")))
     finally:
         tmp_path.chmod(0o755)
+
+
+def test_no_space_for_the_lock_files_line_is_refused_and_holds_nothing(tmp_path):
+    import resource
+
+    # A file-size limit of 0 (the kernel fails the write with EFBIG, as a full disk with
+    # ENOSPC; Python ignores SIGXFSZ), in this process only while claiming.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    try:
+        with pytest.raises(RunDirectoryError, match=r"--save .*: cannot write there \(File too "
+                                                    r"large\)"):
+            claim_run_directories(_args(save=str(tmp_path / "save")))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    lock = SaveLock(str(tmp_path / "save"))  # the failed claim holds no lock
+    lock.acquire()
+    lock.release()
