@@ -649,7 +649,7 @@ def test_data_regenerated_at_the_same_path_trains_on_the_new_data(tmp_path):
 
 # mea-pretrain whose files may grow to LIMIT bytes once its first checkpoint is saved
 # (RLIMIT_FSIZE: the kernel fails a write past it with EFBIG, as a full disk fails one with
-# ENOSPC; Python ignores SIGXFSZ). LIMIT "metrics" is the size metrics.jsonl then has.
+# ENOSPC; Python ignores SIGXFSZ).
 FILE_SIZE_LIMIT = """
 import os, resource, sys
 if __name__ == "__main__":
@@ -658,8 +658,7 @@ if __name__ == "__main__":
     save, limit = loop.Trainer.save, sys.argv[1]
     def save_then_limit(self, root):
         save(self, root)
-        size = os.path.getsize(os.path.join(root, "metrics.jsonl")) if limit == "metrics" else int(limit)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.RLIM_INFINITY))
     loop.Trainer.save = save_then_limit
     sys.exit(main(sys.argv[2:]))
 """
@@ -686,24 +685,9 @@ def test_a_save_that_fails_for_space_ends_in_one_line_and_leaves_no_tmp(tmp_path
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
 
 
-def test_a_metrics_write_that_fails_ends_in_one_line_keeping_whole_lines(tmp_path):
-    save = str(tmp_path / "ckpt")
-    status, stderr = _run_with_file_size_limit(
-        "metrics", [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"])
-    assert status == 1, stderr[-3000:]
-    metrics = os.path.join(save, "metrics.jsonl")
-    assert re.fullmatch(
-        rf"mea-pretrain: error: iteration 3: writing {re.escape(metrics)} failed: File too "
-        rf"large; the last checkpoint is {re.escape(save)}/iter_0000002",
-        _one_line_error(stderr))
-    with open(metrics) as handle:
-        assert [json.loads(line)["iteration"] for line in handle] == [1, 2]
-
-
-
 def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
     """Train; after the first checkpoint, rank `limited_rank` may write files of `limit` bytes
-    only. Returns the RunFailure's line."""
+    only ("metrics": the size metrics.jsonl has then). Returns the RunFailure's line."""
     import resource
 
     from megatron_mea.training import loop
@@ -714,13 +698,17 @@ def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
     def save_then_limit(self, root):
         save(self, root)
         if rank == limited_rank:
-            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+            size = (os.path.getsize(os.path.join(root, "metrics.jsonl")) if limit == "metrics"
+                    else limit)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))
 
     loop.Trainer.save = save_then_limit
     try:
         loop.pretrain(parse_args(argv))
     except loop.RunFailure as exc:
         return str(exc)
+    finally:  # the harness writes this rank's result to a file
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
     return None
 
 
@@ -737,6 +725,18 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_tp2(tmp_path):
     cause = lines[0][lines[0].index("rank 1: "):lines[0].index("; its partial")]
     assert lines[1] == lines[0].replace(cause, "the checkpoint writer failed on another rank")
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
+
+
+def test_a_metrics_write_that_fails_ends_in_one_line_keeping_whole_lines(tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"]
+    line = run_distributed(_train_with_file_size_limit, 1, argv, 0, "metrics")[0]
+    metrics = os.path.join(save, "metrics.jsonl")
+    assert re.fullmatch(
+        rf"iteration 3: writing {re.escape(metrics)} failed: File too large; the last "
+        rf"checkpoint is {re.escape(save)}/iter_0000002", str(line)), line
+    with open(metrics) as handle:
+        assert [json.loads(line)["iteration"] for line in handle] == [1, 2]
 
 
 def _train_changing_data(rank, world_size, argv, prefix, how):
