@@ -5,9 +5,10 @@
   settings and the path only, so data regenerated at the same path was read through the old
   data's offsets (an IndexError, or silently other samples).
 - `DataWatch`: the files' size and modification time when the run loaded them, checked before
-  micro-batches are read (every one, unless the checks would take over 1% of the time), so that a file truncated or rewritten under a running job stops it
-  with one line naming the file. Megatron maps the files read-only; a truncation that lands
-  while a micro-batch is being read is a SIGBUS no process can turn into a message.
+  micro-batches are read (every one, unless the checks would take over 1% of the time), so
+  that a file truncated or rewritten under a running job stops it with one line naming the
+  file. Megatron maps the files read-only; a truncation that lands while a micro-batch is
+  being read is a SIGBUS no process can turn into a message.
 """
 
 import hashlib

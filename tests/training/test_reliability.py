@@ -720,8 +720,8 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_tp2(tmp_path):
     # Rank 0 coordinates the writer and holds rank 1's error (torch's archive writer reports
     # the short write as "unexpected pos"); rank 1 learns that the save failed.
     assert re.fullmatch(rf"iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 failed: "
-                        r"rank 1: Worker failure: .*; its partial iter_0000004.tmp was removed; the "
-                        rf"last checkpoint is {re.escape(save)}/iter_0000002", lines[0]), lines
+                        r"rank 1: Worker failure: .*; its partial iter_0000004.tmp was removed; "
+                        rf"the last checkpoint is {re.escape(save)}/iter_0000002", lines[0]), lines
     cause = lines[0][lines[0].index("rank 1: "):lines[0].index("; its partial")]
     assert lines[1] == lines[0].replace(cause, "the checkpoint writer failed on another rank")
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
