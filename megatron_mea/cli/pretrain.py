@@ -24,7 +24,8 @@ def main(argv=None) -> int:
     Returns:
         The exit status: 0 trained; 2 an input refused before training (a flag, a file, a
         directory or a checkpoint; one line); 1 a failure at run time (a non-finite loss under
-        the `stop` policy, or a collective that timed out, one line; anything unexpected, with
+        the `stop` policy, a collective that timed out, a checkpoint or metrics.jsonl that
+        could not be written, one line naming the last checkpoint; anything unexpected, with
         its traceback); 128 + N stopped by signal N after saving a checkpoint
         (`--exit-signal-handler`: 143 SIGTERM, 130 SIGINT, 129 SIGHUP; one line naming it).
     """
@@ -41,6 +42,7 @@ def main(argv=None) -> int:
     from megatron_mea.training.checkpointing import CheckpointError
     from megatron_mea.training.loop import (
         CollectiveTimeout,
+        RunFailure,
         TrainingInterrupted,
         TrainingStopped,
         pretrain,
@@ -55,7 +57,7 @@ def main(argv=None) -> int:
     except TrainingInterrupted as exc:
         print(f"mea-pretrain: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except CollectiveTimeout as exc:
+    except (CollectiveTimeout, RunFailure) as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 1
     except TrainingStopped as exc:

@@ -11,6 +11,7 @@ train, valid, test = build_gpt_datasets(
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
@@ -19,6 +20,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_mea.data.checks import DatasetError, check_dataset_files, check_splits
 from megatron_mea.data.corpus import build_stdlib_corpus
+from megatron_mea.data.identity import data_identity
 from megatron_mea.data.preprocess import PreprocessError, PreprocessSummary, preprocess_files
 from megatron_mea.data.tokenizers import (
     TOKENIZER_TYPES,
@@ -39,6 +41,24 @@ __all__ = [
     "build_tokenizer",
     "preprocess_files",
 ]
+
+
+@dataclass
+class IdentifiedGPTDatasetConfig(GPTDatasetConfig):
+    """Megatron's config with the data's identity, which keys the cached sample indices."""
+
+    data_identity: dict = field(default_factory=dict)
+    """{prefix: `identity.data_identity(prefix)`} of every prefix of the blend."""
+
+
+class IdentifiedGPTDataset(GPTDataset):
+    """Megatron's `GPTDataset` whose cache key (`unique_description_hash`, which names the
+    cached document, sample and shuffle indices) includes the data's identity: data
+    regenerated at the same path gets indices of its own."""
+
+    @staticmethod
+    def _key_config_attributes() -> list:
+        return GPTDataset._key_config_attributes() + ["data_identity"]
 
 
 def build_gpt_datasets(
@@ -79,8 +99,10 @@ def build_gpt_datasets(
             not allowed with blend weights, where an unused split takes 0).
         seed: seed of the document and sample shuffles.
         mock: use `MockGPTDataset` (synthetic token ramps) instead of files.
-        cache_dir: where the shuffle indices are cached (Megatron-LM `--data-cache-path`).
-            Default: None (Megatron's default, a `cache/` directory beside each prefix).
+        cache_dir: where the shuffle indices are cached (Megatron-LM `--data-cache-path`),
+            keyed by the settings and the data's identity (`identity.data_identity`: data
+            regenerated at the same path builds new indices). Default: None (Megatron's
+            default, a `cache/` directory beside each prefix).
         reset_position_ids, reset_attention_mask, eod_mask_loss: as the Megatron-LM flags of the
             same names. Default: False.
         create_attention_mask: materialise an [1, s, s] causal mask per sample; not needed when
@@ -135,7 +157,7 @@ def build_gpt_datasets(
             # Before Megatron reads them: a damaged file or an empty split named in one line.
             check_splits(prefix, check_dataset_files(prefix), split)
 
-    config = GPTDatasetConfig(
+    config = (GPTDatasetConfig if mock else IdentifiedGPTDatasetConfig)(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
@@ -148,8 +170,10 @@ def build_gpt_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=create_attention_mask,
     )
+    if not mock:
+        config.data_identity = {prefix: data_identity(prefix, cache_dir) for prefix in blend[0]}
     builder = BlendedMegatronDatasetBuilder(
-        MockGPTDataset if mock else GPTDataset,
+        MockGPTDataset if mock else IdentifiedGPTDataset,
         [train_samples, valid_samples, test_samples],
         is_built_on_rank or (lambda: True),
         config,

@@ -17,10 +17,14 @@ class MicroBatches:
         micro_batch_size: samples per micro-batch on this rank.
         dp_rank, dp_size: this rank's position in the data-parallel group.
         consumed_samples: global samples already used (from a checkpoint).
+        before_read: called before each micro-batch is read (e.g. `DataWatch.check`, which
+            raises if the files changed under the run). Default: None.
     """
 
-    def __init__(self, dataset, micro_batch_size, dp_rank, dp_size, consumed_samples=0):
+    def __init__(self, dataset, micro_batch_size, dp_rank, dp_size, consumed_samples=0,
+                 before_read=None):
         self.dataset = dataset
+        self.before_read = before_read
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
@@ -30,6 +34,8 @@ class MicroBatches:
         return self
 
     def __next__(self):
+        if self.before_read is not None:
+            self.before_read()
         start = self.consumed_samples + self.dp_rank * self.micro_batch_size
         items = [
             self.dataset[(start + i) % len(self.dataset)] for i in range(self.micro_batch_size)

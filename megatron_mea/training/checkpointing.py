@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_mea.checkpoint import integrity
 from megatron_mea.checkpoint.checks import (
@@ -49,6 +50,7 @@ from megatron_mea.training import optimizer_state
 __all__ = [
     "TRACKER",
     "CheckpointError",
+    "SaveFailed",
     "checkpoint_dir",
     "latest_iteration",
     "layout_changes",
@@ -230,14 +232,25 @@ def save_checkpoint(
         megatron_lm_args: the run's arguments as Megatron-LM saves them
             (`checkpoint.megatron_lm_io.megatron_lm_arguments`), saved with its checkpoint
             version so that Megatron-LM's `pretrain_gpt.py --use-checkpoint-args` continues.
+
+    Raises:
+        SaveFailed: on every rank, where a rank could not write its part (the partial
+            `iter_XXXXXXX.tmp` removed; the previous checkpoint stays `latest`).
     """
     final = checkpoint_dir(root, iteration)
     tmp = final + ".tmp"
-    if dist.get_rank() == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
+    rank = dist.get_rank()
+    # Each stage ends with `_agree` (a barrier that shares failure), so a stage that fails on
+    # one rank stops every rank at the same point, and the `.tmp` never outlives the failure.
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as exc:
+            error = describe_failure(exc)
+    _agree(error, final, tmp)
     metadata = sharded_state_dict_metadata(use_distributed_optimizer, fully_reshardable)
     state = _model_state(chunks_of(model), metadata)
     state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
@@ -252,22 +265,78 @@ def save_checkpoint(
         state["data_settings"] = data_settings
     if megatron_lm_args is not None:
         state.update(args=megatron_lm_args, checkpoint_version=CHECKPOINT_VERSION)
-    dist_checkpointing.save(state, tmp, content_metadata=_serializable(metadata))
-    dist.barrier()
-    _write_checksums(tmp)
-    if dist.get_rank() == 0:
-        if os.path.exists(final):  # re-saving an iteration: keep the old one until replaced
-            old = final + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, final)
+    try:
+        dist_checkpointing.save(state, tmp, content_metadata=_serializable(metadata))
+    except (OSError, CheckpointException) as exc:  # the writer's errors, gathered on all ranks
+        error = describe_failure(exc)
+    _agree(error, final, tmp)
+    try:
+        _write_checksums(tmp)
+    except OSError as exc:
+        error = describe_failure(exc)
+    _agree(error, final, tmp)
+    if rank == 0:
+        try:
+            _publish(root, final, tmp, iteration)
+        except OSError as exc:
+            error = describe_failure(exc)
+    _agree(error, final, tmp)
+    logger.info("saved checkpoint %s", final)
+
+
+def _publish(root: str, final: str, tmp: str, iteration: int) -> None:
+    """Rank 0: rename the finished `tmp` to `final`, then point the tracker at it (where that
+    fails, `final` goes back to `tmp`, to be removed: a checkpoint `latest` does not name would
+    look like a later run's)."""
+    if os.path.exists(final):  # re-saving an iteration: keep the old one until replaced
+        old = final + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    try:
         with atomic_write(os.path.join(root, TRACKER)) as handle:
             handle.write(str(iteration))
-    dist.barrier()
-    logger.info("saved checkpoint %s", final)
+    except OSError:
+        os.rename(final, tmp)
+        raise
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written (a full disk, a file over a size limit, a directory
+    made read-only); the message names the checkpoint and the cause, in one line."""
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line for an error of a write: the OS's reason and the file where it says one; for
+    torch's CheckpointException, the first failed rank's error (which it holds only on the
+    coordinating rank)."""
+    if isinstance(exc, CheckpointException):
+        if not exc.failures:
+            return "the checkpoint writer failed on another rank"
+        rank, (error, _) = next(iter(exc.failures.items()))
+        return f"rank {rank}: {describe_failure(error)}"
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def _agree(error, final: str, tmp: str) -> None:
+    """A barrier that shares failure: raise SaveFailed on every rank when a rank's `error` is
+    set (the cause on that rank, its number on the others), after rank 0 removed `tmp`."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    failed = torch.tensor([0 if error is None else dist.get_rank() + 1], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    culprit = int(failed.item()) - 1
+    if culprit < 0:
+        return
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial save only takes space
+    cause = error or f"rank {culprit} failed (its own line says why)"
+    raise SaveFailed(f"saving checkpoint {final} failed: {cause}; "
+                     f"its partial {os.path.basename(tmp)} was removed")
 
 
 def _write_checksums(directory: str) -> None:

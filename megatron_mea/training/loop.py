@@ -54,6 +54,11 @@ class CollectiveTimeout(RuntimeError):
     that stopped answering and the last checkpoint."""
 
 
+class RunFailure(RuntimeError):
+    """A write of the run failed while it trained (a checkpoint, `metrics.jsonl`): the message
+    says what failed and names the last checkpoint (the CLI exits 1 with it, one line)."""
+
+
 class TrainingInterrupted(RuntimeError):
     """A signal stopped the run after the step in flight (`--exit-signal-handler`); the message
     names the checkpoint saved.
@@ -108,6 +113,8 @@ class Trainer:
         self.args = args
         initialize(args, timeout_minutes=args.distributed_timeout_minutes)
         self.heartbeat, self.save_lock = None, None
+        # What failed on this rank in the step just done (the ranks agree on it after the step).
+        self.failure = None
         # The newest checkpoint of this run, loaded or saved: (directory, iteration).
         self.last_checkpoint = None
         try:
@@ -193,6 +200,12 @@ class Trainer:
         if self.rank != 0:
             datasets = build()
         self.train_data, self.valid_data = datasets[0], datasets[1]
+        # A file changed under the run is named before a micro-batch reads it.
+        self.data_watch = None
+        if args.data_path and not args.mock_data:
+            from megatron_mea.data.identity import DataWatch
+
+            self.data_watch = DataWatch(dataset_prefixes(args.data_path))
         if args.eval_iters == 0:
             self.valid_data = None  # no evaluation
         self.train_batches = self._batches(self.train_data, consumed)
@@ -250,6 +263,7 @@ class Trainer:
         make = partial(
             MicroBatches, dataset, self.args.micro_batch_size,
             parallel_state.get_data_parallel_rank(), self.dp_size, consumed,
+            before_read=self.data_watch.check_often if self.data_watch is not None else None,
         )
         if len(self.model) == 1:
             return make()
@@ -275,15 +289,25 @@ class Trainer:
         # The schedules allocate small scratch tensors on "cuda" (a no-op context on GPUs; see
         # megatron_mea.cpu).
         with cuda_device_to_cpu():
-            loss_dicts = self.forward_backward_func(
-                forward_step_func=_forward_step,
-                data_iterator=self.train_batches if batches is None else batches,
-                model=self.model,
-                num_microbatches=self.num_microbatches,
-                seq_length=args.seq_length,
-                micro_batch_size=args.micro_batch_size,
-                forward_only=forward_only,
-            )
+            try:
+                loss_dicts = self.forward_backward_func(
+                    forward_step_func=_forward_step,
+                    data_iterator=self.train_batches if batches is None else batches,
+                    model=self.model,
+                    num_microbatches=self.num_microbatches,
+                    seq_length=args.seq_length,
+                    micro_batch_size=args.micro_batch_size,
+                    forward_only=forward_only,
+                )
+            except Exception as exc:
+                # Data changed under the run (checked before each micro-batch; a read that
+                # failed mid-batch is checked here): one line naming the file, not the
+                # IndexError it causes.
+                changed = self._data_changed(exc)
+                if changed is None:
+                    raise
+                raise RunFailure(f"iteration {self.iteration + 1}: {changed}; "
+                                 f"{self._last_checkpoint_text()}") from None
             return _mean_over_data_parallel(loss_dicts)
 
     def train_step(self) -> dict:
@@ -322,6 +346,21 @@ class Trainer:
                 )
             scalars.update({name: float(value) for name, value in moe.items()})
         return scalars
+
+    def _data_changed(self, exc: Exception):
+        """The line naming a data file changed under the run, if `exc` came from one (None:
+        the data files are as loaded)."""
+        from megatron_mea.data.identity import DataChanged
+
+        if isinstance(exc, DataChanged):
+            return str(exc)
+        if self.data_watch is None:
+            return None
+        try:
+            self.data_watch.check()
+        except DataChanged as changed:
+            return str(changed)
+        return None
 
     def _non_finite(self, loss: float, grad_norm: float) -> None:
         """Apply `nan_policy` to a step whose loss or grad norm is NaN/Inf (all ranks agree:
@@ -406,8 +445,13 @@ class Trainer:
             history.append(record)
             if self.rank == 0:
                 self._report(record, progress, metrics_path)
-            # Every rank learns of a signal any rank got, so all save together.
-            signum = signals.agreed_signal()
+            # Every rank learns of a signal any rank got, so all save together, and of a
+            # failure on any rank, so all stop.
+            signum, failed_rank = signals.agreed_stop(self.failure is not None)
+            if failed_rank is not None:
+                cause = self.failure or f"rank {failed_rank} failed (its own line says why)"
+                raise RunFailure(f"iteration {self.iteration}: {cause}; "
+                                 f"{self._last_checkpoint_text()}")
             done = self.iteration >= args.train_iters
             stop = args.exit_interval and self.iteration - started_at >= args.exit_interval
             saved = False
@@ -461,25 +505,42 @@ class Trainer:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
         # Megatron's writer starts helper processes: they must not outlive a killed run.
         processes.children_die_with_parent()
-        checkpointing.save_checkpoint(
-            root, self.iteration, self.modules, self.optimizer, self.scheduler,
-            self.consumed_samples,
-            use_distributed_optimizer=self.args.use_distributed_optimizer,
-            fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
-            data_settings=data_settings(self.args),
-            megatron_lm_args=megatron_lm_arguments(
-                self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
-            ),
-        )
+        try:
+            checkpointing.save_checkpoint(
+                root, self.iteration, self.modules, self.optimizer, self.scheduler,
+                self.consumed_samples,
+                use_distributed_optimizer=self.args.use_distributed_optimizer,
+                fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
+                data_settings=data_settings(self.args),
+                megatron_lm_args=megatron_lm_arguments(
+                    self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
+                ),
+            )
+        except checkpointing.SaveFailed as exc:
+            raise RunFailure(f"iteration {self.iteration}: {exc}; "
+                             f"{self._last_checkpoint_text()}") from None
         self.last_checkpoint = (root, self.iteration)
+
+    def _append_metrics(self, path: str, record: dict) -> None:
+        """Append `record` to metrics.jsonl; a failed write (a full disk) is cut back to the
+        last whole line and recorded in `self.failure`, which stops the run after the step."""
+        size = os.path.getsize(path) if os.path.exists(path) else 0
+        try:
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            self.failure = f"writing {path} failed: {checkpointing.describe_failure(exc)}"
+            try:
+                os.truncate(path, size)
+            except OSError:
+                pass  # a partial last line: readers of the file skip it
 
     def _report(self, record, progress, metrics_path):
         args = self.args
         scalars = {k: v for k, v in record.items() if k != "iteration"}
         self.tensorboard.add(scalars, record["iteration"])
         if metrics_path:
-            with open(metrics_path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
+            self._append_metrics(metrics_path, record)
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{record['lm loss']:.3f}")

@@ -76,21 +76,30 @@ class SaveLock:
         if stale:
             logger.warning("--save %s: stale lock of a run that is no longer running (%s); "
                            "taking it over", self.root, stale)
-        os.ftruncate(fd, 0)
         holder = (f"pid {os.getpid()} on {socket.gethostname()}, started "
                   f"{time.strftime('%Y-%m-%d %H:%M:%S')}")
-        os.pwrite(fd, holder.encode("ascii", "replace"), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, holder.encode("ascii", "replace"), 0)
+        except OSError:  # no space for the holder's line: not held (the caller says why)
+            os.close(fd)
+            raise
         self.fd = fd
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (idempotent); remove the directory too where
-        `acquire` made it and nothing was written there (a refused run leaves no empty --save)."""
+        `acquire` made it and nothing was written there (a refused run leaves no empty --save).
+        A lock file that cannot be removed (the directory made read-only) is only logged:
+        closing drops the lock, and the next run takes the file over as stale."""
         if self.fd is None:
             return
         try:
             os.unlink(self.path)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            logger.warning("--save %s: could not remove the lock file %s (%s); the lock is "
+                           "released all the same", self.root, self.path, _why(exc))
         os.close(self.fd)
         self.fd = None
         if self.created:
@@ -198,18 +207,63 @@ def claim_run_directories(args) -> Tuple[Optional[SaveLock], bool]:
     checkpoint to load.
 
     Raises:
-        RunDirectoryError: the directory is locked by a live run, `--load` has no checkpoint,
-            or `--save` holds another run's checkpoints.
+        RunDirectoryError: the directory is locked by a live run, cannot be written (read-only,
+            a path too long for the file system), `--load` has no checkpoint, or `--save`
+            holds another run's checkpoints.
     """
     lock = None
     if args.save:
+        check_save_path(args.save)
         lock = SaveLock(args.save)
-        lock.acquire()
+        try:
+            lock.acquire()
+        except OSError as exc:  # read-only, a file in the way, no space for the lock file
+            raise RunDirectoryError(f"--save {args.save}: cannot write there "
+                                    f"({_why(exc)})") from None
     try:
         loads = check_load(args)
         check_save(args, loads)
-    except BaseException:
+    except BaseException as exc:
         if lock is not None:
             lock.release()
+        if isinstance(exc, OSError):  # moving a previous run's files aside
+            raise RunDirectoryError(f"cannot prepare the run directories ({_why(exc)})") from None
         raise
     return lock, loads
+
+
+def _why(exc: OSError) -> str:
+    return (exc.strerror or str(exc)) + (f": {exc.filename}" if exc.filename else "")
+
+
+# The longest path the run writes under --save, past the directory itself: a shard of a
+# checkpoint being written (`iter_XXXXXXX.tmp/__<rank>_<n>.distcp`), a rewound run's
+# checkpoint, an atomic write's temporary file. 80 leaves room for ranks of 8 digits.
+_LONGEST_INSIDE = 80
+
+
+def check_save_path(root: str) -> None:
+    """Refuse a `--save` the file system cannot hold files under: a name over its NAME_MAX,
+    or a path that leaves no room below PATH_MAX for the checkpoint files (it would fail at
+    the first save)."""
+    path = os.path.abspath(root)
+    existing = path
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    name_max = os.pathconf(existing, "PC_NAME_MAX")
+    path_max = os.pathconf(existing, "PC_PATH_MAX")
+    for name in path.split(os.sep):
+        if len(name.encode()) > name_max:
+            raise RunDirectoryError(
+                f"--save {_short(root)}: the name {_short(name)} is {len(name.encode())} bytes, "
+                f"over this file system's limit of {name_max}; choose a shorter --save")
+    if len(path.encode()) + _LONGEST_INSIDE >= path_max:
+        raise RunDirectoryError(
+            f"--save {_short(root)}: the path is {len(path.encode())} bytes, and the "
+            f"checkpoint files under it need up to {_LONGEST_INSIDE} more, over this system's "
+            f"limit of {path_max - 1}; choose a shorter --save")
+
+
+def _short(text: str) -> str:
+    """A long path shortened for a one-line message."""
+    return text if len(text) <= 100 else f"{text[:60]}...{text[-30:]}"

@@ -11,7 +11,7 @@ default action of that signal.
 import os
 import signal
 import sys
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -55,16 +55,25 @@ class ExitSignalHandler:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
 
-    def agreed_signal(self) -> Optional[int]:
-        """The signal that stops the run, the same on every rank (None: go on).
+    def agreed_stop(self, failed: bool = False) -> Tuple[Optional[int], Optional[int]]:
+        """(the signal that stops the run, the lowest rank whose step failed), the same on
+        every rank; (None, None): go on.
 
-        A collective: every rank of `group` calls it once per step. Where ranks got different
-        signals the highest number wins (only the exit status depends on it).
+        A collective: every rank of `group` calls it once per step (one all-reduce, also with
+        the handler disabled, so that a rank's failure, e.g. rank 0's metrics.jsonl write,
+        stops them all). Where ranks got different signals the highest number wins (only the
+        exit status depends on it).
+
+        Args:
+            failed: this rank's step failed (it ends the run with its own line).
         """
-        if not self.enabled:
-            return None
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        flag = torch.tensor([self.received or 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        value = int(flag.item())
-        return value or None
+        rank = dist.get_rank(self.group)
+        world = dist.get_world_size(self.group)
+        # MAX of (world - rank) picks the lowest failed rank.
+        flags = torch.tensor([self.received or 0, world - rank if failed else 0],
+                             dtype=torch.int32, device=device)
+        if world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        signum, failed_rank = int(flags[0].item()), int(flags[1].item())
+        return signum or None, (world - failed_rank) if failed_rank else None

@@ -237,6 +237,7 @@ def test_probe_ranks_the_low_rank_layer_first(low_rank_first_layer, tmp_path, ca
     assert main(["--quiet", "probe", "--load", low_rank_first_layer, "--num-kv-components", "2",
                  "--data-path", prefix, "--seq-length", "12", "--num-samples", "6"]) == 0
     table = capsys.readouterr().out.splitlines()
+    assert table[-1] == f"mea-convert probe: read iteration 0 from {low_rank_first_layer}"
     assert table[0].startswith("baseline loss")
     assert table[2].split()[:2] == ["1", "0"] and table[3].split()[:2] == ["2", "1"]
 

@@ -5,6 +5,7 @@ last test covers under the one-rank gloo group of `single_rank`.
 """
 
 import json
+import os
 
 import numpy
 import pytest
@@ -148,3 +149,22 @@ def test_blend_with_cache_dir_under_one_rank_group(tmp_path, tok, single_rank):
     )
     _assert_sample(train[0], tok.vocab_size)
     assert any(p.name.endswith("dataset_index.npy") for p in cache.iterdir())
+
+
+def test_data_regenerated_at_the_same_prefix_rebuilds_the_cached_indices(tmp_path, tok):
+    # Megatron keys its cached sample indices by the settings only; the data's identity (the
+    # .idx content and the .bin size) is part of the key, so new data is never read through the
+    # old data's offsets.
+    cache = str(tmp_path / "cache")
+    build = lambda prefix, cache_dir: build_gpt_datasets(  # noqa: E731
+        [prefix], "1,0,0", SEQ, tok, 40, None, None, seed=5, mock=False, cache_dir=cache_dir)
+    prefix = _make_dataset(tmp_path, tok, [f"old document {i} " * (4 + i % 9) for i in range(80)])
+    build(prefix, cache)
+    first_files = set(os.listdir(cache))
+    _make_dataset(tmp_path, tok, [f"NEW {i} " * (2 + i % 3) for i in range(12)])
+    again = build(prefix, cache)[0]
+    fresh = build(prefix, str(tmp_path / "fresh"))[0]
+    assert len(again) == len(fresh)
+    for i in range(len(fresh)):
+        assert torch.equal(again[i]["tokens"], fresh[i]["tokens"]), i
+    assert set(os.listdir(cache)) > first_files  # new index files beside the old ones

@@ -2,6 +2,7 @@
 (real processes)."""
 
 import json
+import math
 import os
 import pickle
 import re
@@ -285,8 +286,10 @@ def test_cli_refuses_another_models_checkpoint_in_one_line(saved_checkpoint):
 def test_cli_refuses_a_layout_the_heads_do_not_divide_in_one_line(saved_checkpoint):
     # The model's shape comes from the flags, which must match the checkpoint's: at TP=4 its
     # 2 query groups cannot be split (refused before any process starts).
+    # (--sequence-parallel: MoE at TP > 1 without it is refused before the heads are looked at.)
     status, stderr = _cli([*TINY, "--train-iters", "4", "--load", saved_checkpoint,
-                           "--tensor-model-parallel-size", "4"], WORLD_SIZE="4")
+                           "--tensor-model-parallel-size", "4", "--sequence-parallel"],
+                          WORLD_SIZE="4")
     assert status == 2
     line = _one_line_error(stderr)
     assert re.search(r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size "
@@ -607,3 +610,173 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
                         r"answering \(no heartbeat\); no checkpoint of this run yet", line[0])
     # The timeout, the heartbeat check (2.5 beats of 0.9 s) and the exit, with a margin.
     assert waited < timeout_minutes * 60 + 8, waited
+
+
+# ---- data: regenerated at the same path, changed under a running job ---------------------------
+
+
+def _write_data(prefix, documents):
+    """Byte-level `.bin/.idx` of `documents` at `prefix` (replacing what is there)."""
+    from megatron_mea.data import build_tokenizer, preprocess_files
+
+    os.makedirs(os.path.dirname(prefix), exist_ok=True)
+    with open(prefix + ".jsonl", "w") as handle:
+        handle.writelines(json.dumps({"text": text}) + "\n" for text in documents)
+    preprocess_files([prefix + ".jsonl"], prefix, build_tokenizer("ByteLevelTokenizer"),
+                     append_eod=True, progress=False)
+
+
+def _data_argv(prefix, cache):
+    return [*(a for a in TINY if a != "--mock-data"), "--data-path", prefix, "--split", "1,0,0",
+            "--eval-iters", "0", "--data-cache-path", cache]
+
+
+def test_data_regenerated_at_the_same_path_trains_on_the_new_data(tmp_path):
+    prefix, cache = str(tmp_path / "data" / "corpus"), str(tmp_path / "cache")
+    argv = [*_data_argv(prefix, cache), "--train-iters", "1"]
+    _write_data(prefix, [f"old document {i} " * (4 + i % 9) for i in range(200)])
+    run_distributed(_train, 1, argv)
+    # Fewer, shorter documents: the old cached indices point past the new data's end.
+    _write_data(prefix, [f"NEW {i} " * (2 + i % 3) for i in range(12)])
+    losses = run_distributed(_train, 1, argv)[0]
+    assert len(losses) == 1 and math.isfinite(losses[0])
+    # Megatron's index files of each version of the data, side by side.
+    documents = [n for n in os.listdir(cache) if n.endswith("-document_index.npy")]
+    assert len(documents) == 2, sorted(os.listdir(cache))
+
+
+# ---- run-time failures: a full disk during a save or a metrics.jsonl write -------------------
+
+# mea-pretrain whose files may grow to LIMIT bytes once its first checkpoint is saved
+# (RLIMIT_FSIZE: the kernel fails a write past it with EFBIG, as a full disk fails one with
+# ENOSPC; Python ignores SIGXFSZ).
+FILE_SIZE_LIMIT = """
+import os, resource, sys
+if __name__ == "__main__":
+    from megatron_mea.training import loop
+    from megatron_mea.cli.pretrain import main
+    save, limit = loop.Trainer.save, sys.argv[1]
+    def save_then_limit(self, root):
+        save(self, root)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (int(limit), resource.RLIM_INFINITY))
+    loop.Trainer.save = save_then_limit
+    sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _run_with_file_size_limit(limit, argv):
+    run = subprocess.run([sys.executable, "-c", FILE_SIZE_LIMIT, limit, *argv], cwd=ROOT,
+                         env=standalone_environment(), capture_output=True, text=True,
+                         timeout=300)
+    return run.returncode, run.stderr
+
+
+def test_a_save_that_fails_for_space_ends_in_one_line_and_leaves_no_tmp(tmp_path):
+    save = str(tmp_path / "ckpt")
+    status, stderr = _run_with_file_size_limit(
+        "20000", [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"])
+    assert status == 1, stderr[-3000:]
+    # The writer's cause: EFBIG, or torch's archive writer's "unexpected pos" for a short write.
+    assert re.fullmatch(
+        rf"mea-pretrain: error: iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 "
+        r"failed: rank 0: .+; its partial iter_0000004.tmp was removed; the last "
+        rf"checkpoint is {re.escape(save)}/iter_0000002", _one_line_error(stderr))
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
+
+
+def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
+    """Train; after the first checkpoint, rank `limited_rank` may write files of `limit` bytes
+    only ("metrics": the size metrics.jsonl has then). Returns the RunFailure's line."""
+    import resource
+
+    from megatron_mea.training import loop
+    from megatron_mea.training.arguments import parse_args
+
+    save = loop.Trainer.save
+
+    def save_then_limit(self, root):
+        save(self, root)
+        if rank == limited_rank:
+            size = (os.path.getsize(os.path.join(root, "metrics.jsonl")) if limit == "metrics"
+                    else limit)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (size, resource.RLIM_INFINITY))
+
+    loop.Trainer.save = save_then_limit
+    try:
+        loop.pretrain(parse_args(argv))
+    except loop.RunFailure as exc:
+        return str(exc)
+    finally:  # the harness writes this rank's result to a file
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+    return None
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank_at_tp2(tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    lines = run_distributed(_train_with_file_size_limit, 2, argv, 1, 20000)
+    # Rank 0 coordinates the writer and holds rank 1's error (torch's archive writer reports
+    # the short write as "unexpected pos"); rank 1 learns that the save failed.
+    assert re.fullmatch(rf"iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 failed: "
+                        r"rank 1: Worker failure: .*; its partial iter_0000004.tmp was removed; "
+                        rf"the last checkpoint is {re.escape(save)}/iter_0000002", lines[0]), lines
+    cause = lines[0][lines[0].index("rank 1: "):lines[0].index("; its partial")]
+    assert lines[1] == lines[0].replace(cause, "the checkpoint writer failed on another rank")
+    assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
+
+
+def test_a_metrics_write_that_fails_ends_in_one_line_keeping_whole_lines(tmp_path):
+    save = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"]
+    line = run_distributed(_train_with_file_size_limit, 1, argv, 0, "metrics")[0]
+    metrics = os.path.join(save, "metrics.jsonl")
+    assert re.fullmatch(
+        rf"iteration 3: writing {re.escape(metrics)} failed: File too large; the last "
+        rf"checkpoint is {re.escape(save)}/iter_0000002", str(line)), line
+    with open(metrics) as handle:
+        assert [json.loads(line)["iteration"] for line in handle] == [1, 2]
+
+
+def _train_changing_data(rank, world_size, argv, prefix, how):
+    """Train; right after the first checkpoint the data at `prefix` is changed in place
+    (`how`). Returns the RunFailure's line."""
+    from megatron_mea.training import loop
+    from megatron_mea.training.arguments import parse_args
+
+    save = loop.Trainer.save
+
+    def save_then_change(self, root):
+        save(self, root)
+        if how == "truncated .bin":
+            os.truncate(prefix + ".bin", os.path.getsize(prefix + ".bin") // 2)
+        else:  # another dataset's index written over this one, in place, at the same size
+            with open(prefix + ".other.idx", "rb") as other, open(prefix + ".idx", "r+b") as idx:
+                idx.write(other.read(os.path.getsize(prefix + ".idx")))
+
+    loop.Trainer.save = save_then_change
+    try:
+        loop.pretrain(parse_args(argv))
+    except loop.RunFailure as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.parametrize("how,culprit,change", [
+    ("truncated .bin", ".bin", r"changed under the running job \(\d+ bytes when the run loaded "
+                               r"it, \d+ now\)"),
+    ("overwritten .idx", ".idx", r"rewritten under the running job \(modified after the run "
+                                 r"loaded it\)"),
+], ids=["truncated-bin", "overwritten-idx"])
+def test_data_changed_under_a_running_job_ends_in_one_line_naming_the_file(
+    tmp_path, how, culprit, change
+):
+    prefix, save = str(tmp_path / "data" / "corpus"), str(tmp_path / "ckpt")
+    _write_data(prefix + ".other", [f"other {i} " * (1 + i % 4) for i in range(300)])
+    _write_data(prefix, [f"document {i} " * (4 + i % 9) for i in range(200)])
+    argv = [*_data_argv(prefix, str(tmp_path / "cache")), "--train-iters", "4", "--save", save,
+            "--save-interval", "1"]
+    line = run_distributed(_train_changing_data, 1, argv, prefix, how)[0]
+    assert re.fullmatch(rf"iteration 2: {re.escape(prefix + culprit)}: {change}; the last "
+                        rf"checkpoint is {re.escape(save)}/iter_0000001", str(line)), line

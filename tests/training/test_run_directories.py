@@ -210,3 +210,55 @@ def test_a_refused_run_leaves_no_save_directory_behind(tmp_path):
     (tmp_path / "written" / "metrics.jsonl").write_text("{}\n")
     written.release()
     assert os.listdir(tmp_path / "written") == ["metrics.jsonl"]
+
+
+def test_a_save_the_system_cannot_hold_is_refused_before_anything_is_written(tmp_path):
+    # 4,067 characters: the directory itself could be made, the checkpoint files under it not.
+    long_path = str(tmp_path)
+    while len(long_path) < 4067 - 201:
+        long_path = os.path.join(long_path, "d" * 200)
+    long_path = os.path.join(long_path, "s" * (4066 - len(long_path)))
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    path_max, name_max = (os.pathconf(tmp_path, name) for name in ("PC_PATH_MAX", "PC_NAME_MAX"))
+    assert path_max <= 4067 + 80 and name_max < 300  # Linux's 4096 and 255
+    for save, match in [
+        (long_path, r"the path is 4067 bytes, and the checkpoint files under it need up to 80 "
+                    rf"more, over this system's limit of {path_max - 1}; choose a shorter --save"),
+        (str(tmp_path / ("n" * 300)), r"the name n{60}\.\.\.n{30} is 300 bytes, over this file "
+                                      rf"system's limit of {name_max}"),
+        (str(a_file / "save"), rf"--save {a_file}/save: cannot write there \(Not a directory"),
+    ]:
+        with pytest.raises(RunDirectoryError, match=match):
+            claim_run_directories(_args(save=save))
+    assert sorted(os.listdir(tmp_path)) == ["a-file"]
+
+
+def test_a_read_only_save_is_refused_before_anything_is_written(tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root writes through a read-only mode (the not-a-directory case above and "
+                    "the RLIMIT_FSIZE tests in test_reliability.py cover the refusal)")
+    tmp_path.chmod(0o555)
+    try:
+        with pytest.raises(RunDirectoryError, match=r"cannot write there \(Permission denied"):
+            claim_run_directories(_args(save=str(tmp_path / "save")))
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_no_space_for_the_lock_files_line_is_refused_and_holds_nothing(tmp_path):
+    import resource
+
+    # A file-size limit of 0 (the kernel fails the write with EFBIG, as a full disk with
+    # ENOSPC; Python ignores SIGXFSZ), in this process only while claiming.
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, hard))
+    try:
+        with pytest.raises(RunDirectoryError, match=r"--save .*: cannot write there \(File too "
+                                                    r"large\)"):
+            claim_run_directories(_args(save=str(tmp_path / "save")))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    lock = SaveLock(str(tmp_path / "save"))  # the failed claim holds no lock
+    lock.acquire()
+    lock.release()
