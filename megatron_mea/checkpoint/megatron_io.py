@@ -238,6 +238,8 @@ def resolve_checkpoint(root: str, iteration: Optional[int] = None) -> str:
     """The `iter_XXXXXXX` directory of `root` (the latest unless `iteration` is given; `root`
     may name the folder itself)."""
     root, iteration = split_checkpoint_path(root, iteration)
+    if not os.path.isdir(root):
+        raise ConversionError(f"{root}: no such directory")
     if iteration is None:
         iteration = latest_iteration(root)
         if iteration is None:

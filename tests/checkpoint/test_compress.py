@@ -174,8 +174,9 @@ def test_cli_reports_the_counts_written_and_compression_never_adds_components(
     subset = str(tmp_path / "subset")
     assert main(["--quiet", "compress", "--load", source, "--save", subset,
                  "--num-kv-components", "2", "--layers", "all-but-first-1"]) == 0
-    assert capsys.readouterr().out.strip() == (
-        f"wrote {subset} (MEA; K/V heads per layer, cached: [4, 2])")
+    assert capsys.readouterr().out.splitlines() == [
+        f"mea-convert compress: read iteration 0 from {source}",
+        f"wrote {subset} (MEA; K/V heads per layer, cached: [4, 2])"]
     # "Compressing" to more components than a layer has is refused: one line, nothing written.
     grown = str(tmp_path / "grown")
     assert main(["--quiet", "compress", "--load", subset, "--save", grown,
