@@ -61,7 +61,7 @@ def served_tp2(tmp_path_factory):
     return serve(TP2_CASES, tmp_path_factory.mktemp("vllm") / "tp2.json", tp=2)
 
 
-def hf_greedy(name):
+def hf_greedy(name, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     """Greedy tokens of the Hugging Face model (full recompute each step, no cache)."""
     from transformers import AutoModelForCausalLM
 
@@ -70,9 +70,9 @@ def hf_greedy(name):
     model = AutoModelForCausalLM.from_pretrained(export_dir(name), dtype=torch.float32).eval()
     tokens = []
     with torch.no_grad():
-        for prompt in PROMPTS:
+        for prompt in prompts:
             ids = torch.tensor([prompt])
-            for _ in range(MAX_TOKENS):
+            for _ in range(max_tokens):
                 ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
             tokens.append(ids[0, len(prompt):].tolist())
     return tokens
