@@ -13,7 +13,9 @@ KV cache, per layer and token:
   `nc*hn` (multi-query), scale `hn**-0.5`. The cache holds `nc/ng` of the baseline's bytes.
   `nc*hn` must be a head size of the attention backend (32-256 on CPU, up to 256 for
   FlashAttention).
-- MEA with virtual heads and an RMS k norm (Qwen3 families): the norm's per-token scale of each
+- MEA with virtual heads and the k norm before the mix (`mea_key_norm_before_mix`): the same
+  component cache, over the normed components.
+- MEA with virtual heads and an RMS k norm after the mix (Qwen3 families): the norm's per-token scale of each
   composite key sits inside the softmax, which a stock cache of components cannot hold; the
   composite heads are cached (no compression) and one warning says so.
 
@@ -190,8 +192,14 @@ class VariantAttention(nn.Module):
         self.rotary_emb = get_rope(hn, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters, is_neox_style=True)
 
-        self.caches_components = components < groups and not qk_norm
-        if components < groups and qk_norm:
+        # Norm-then-mix (exports older than the field are mix-then-norm): the keys are linear
+        # in the normed components, so the component cache serves them as it does without a
+        # k norm.
+        self.key_norm_before_mix = (variant == "mea" and qk_norm
+                                    and bool(getattr(config, "mea_key_norm_before_mix", False)))
+        self.caches_components = components < groups and (
+            not qk_norm or self.key_norm_before_mix)
+        if components < groups and not self.caches_components:
             if rank == 0 and prefix.endswith("layers.0.self_attn"):
                 logger.warning(
                     "MEA with an RMS k norm: its per-token scale of each composite key sits "
@@ -211,6 +219,8 @@ class VariantAttention(nn.Module):
             query, key, value = self.knock(query, key, value)
         if self.q_norm is not None:
             query = self.q_norm(query)
+        if self.key_norm_before_mix:
+            key = self.k_norm(key)
         if self.caches_components:
             output = self._attend_components(positions, query, key, value)
         else:
@@ -247,7 +257,7 @@ class VariantAttention(nn.Module):
                 key, value = self.head_mix(key, value)
             local = slice(self.first_group, self.first_group + self.num_local_groups)
             key, value = key[:, local], value[:, local]
-        if self.k_norm is not None:
+        if self.k_norm is not None and not self.key_norm_before_mix:
             key = self.k_norm(key)
         query, key = self._rope(positions, query, key)
         output = self.attn(query, key, value.reshape(value.shape[0], -1))
