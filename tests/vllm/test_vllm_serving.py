@@ -105,3 +105,10 @@ def test_mea_with_a_k_norm_caches_the_composite_heads_and_says_why(served):
     assert kv_bytes_per_token(mea) == kv_bytes_per_token(baseline)
     assert len(mea["warnings"]) == 1
     assert "no KV-cache compression" in mea["warnings"][0]
+
+
+def test_mea_with_the_k_norm_before_the_mix_caches_half_the_baseline_bytes(served):
+    mea = served["qwen3-mea-nc2-norm-before-mix"]
+    ratio = kv_bytes_per_token(mea) / kv_bytes_per_token(served["qwen3-baseline"])
+    assert ratio <= 0.55, ratio
+    assert not mea["warnings"]
