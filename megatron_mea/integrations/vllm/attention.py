@@ -15,9 +15,10 @@ KV cache, per layer and token:
   FlashAttention).
 - MEA with virtual heads and the k norm before the mix (`mea_key_norm_before_mix`): the same
   component cache, over the normed components.
-- MEA with virtual heads and an RMS k norm after the mix (Qwen3 families): the norm's per-token scale of each
-  composite key sits inside the softmax, which a stock cache of components cannot hold; the
-  composite heads are cached (no compression) and one warning says so.
+- MEA with virtual heads and an RMS k norm after the mix (Qwen3 families): the norm's
+  per-token scale of each composite key sits inside the softmax, which a stock cache of
+  components cannot hold; the composite heads are cached (no compression) and one warning
+  says so.
 
 Under tensor parallelism every rank computes all `nc` components (the mix needs each of them)
 with replicated `k_proj` / `v_proj`; the query heads, `o_proj` and the composite heads are split
