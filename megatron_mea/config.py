@@ -264,6 +264,13 @@ class MEATransformerConfig(AttentionVariantFields, TransformerConfig):
             )
         if self.mea_tp_exchange != "activations":
             self._check_folded_projection(f"mea_tp_exchange={self.mea_tp_exchange!r}")
+        if self.mea_key_norm_before_mix and not self.qk_layernorm:
+            raise ValueError("mea_key_norm_before_mix=True needs a k norm (qk_layernorm=True)")
+        if self.mea_key_norm_before_mix and self.mea_tp_exchange == "weights":
+            raise ValueError(
+                "mea_key_norm_before_mix=True cannot be combined with mea_tp_exchange='weights': "
+                "the k norm between the projection and the mix does not fold into the K rows"
+            )
 
     def _check_folded_projection(self, setting):
         # A folded projection hands linear_qkv a computed weight with its own shape. Deferred

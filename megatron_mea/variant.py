@@ -62,6 +62,15 @@ class AttentionVariantFields:
     """MEA: RMS-normalise each query head's attention output over its `hn` channels (learnable scale
     per head and channel, eps = layernorm_epsilon) before `linear_proj`."""
 
+    mea_key_norm_before_mix: bool = _scoped(False, "model")
+    """MEA with a k norm (`qk_layernorm`): normalise each component key head, then mix
+    (norm-then-mix), instead of mixing and normalising each composite key (mix-then-norm, the
+    default and the MEA paper's order). A different function: the composite keys are linear in
+    the cached normed components, so stock multi-query attention over the components serves
+    them with no per-key scale (vLLM's component cache). Refuses `mea_tp_exchange='weights'`
+    and makes `auto` exchange activations (a norm between the projection and the mix does not
+    fold into the weights)."""
+
     mea_mix_init: Optional[Literal["identity", "repeat", "normal"]] = _scoped(None, "init")
     """MEA: initial mixing matrices `[nc, ng]`. Default by shape: `identity` when `nc == ng`,
     `repeat` (composite h copies component `h * nc // ng`, i.e. GQA with nc groups) otherwise.

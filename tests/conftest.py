@@ -57,6 +57,7 @@ SLOW = (
     "tests/training/test_reproduce.py",
     "tests/training/test_gpu_configuration.py",
     "tests/inference/test_tensor_parallel.py",
+    "tests/checkpoint/test_compress.py::test_norm_then_mix",
     "tests/inference/test_imported_checkpoint.py",
     "tests/inference/test_cli.py",
     "tests/checkpoint/test_cli.py",

@@ -56,6 +56,15 @@ def make(**fields):
         ),
         (dict(attention_variant="mea", mea_tp_exchange="nccl"), r"mea_tp_exchange \('nccl'\)"),
         (
+            dict(attention_variant="mea", mea_key_norm_before_mix=True, qk_layernorm=True,
+                 mea_tp_exchange="weights"),
+            r"mea_key_norm_before_mix=True cannot be combined with mea_tp_exchange='weights'",
+        ),
+        (
+            dict(attention_variant="mea", mea_key_norm_before_mix=True),
+            r"mea_key_norm_before_mix=True needs a k norm \(qk_layernorm=True\)",
+        ),
+        (
             dict(attention_variant="kha", num_query_groups=2, tensor_model_parallel_size=4),
             r"num_query_groups \(2\) must be divisible by tensor_model_parallel_size \(4\)",
         ),

@@ -206,13 +206,21 @@ def compressed_description(
     num_components: int,
     mea_head_norm: Optional[bool] = None,
     layers: Optional[Sequence[int]] = None,
+    mea_key_norm_before_mix: bool = False,
 ) -> ModelDescription:
     """The description of the compressed model: MEA with `nc` components in `layers` (default
     all); the others stay standard attention (a baseline source) or MEA with `nc = ng` (an MEA
-    source, an exact reparametrisation)."""
+    source, an exact reparametrisation). `mea_key_norm_before_mix` makes it norm-then-mix."""
     config = description.transformer_config(meta=True)
     if config.attention_variant == "kha":
         raise ConversionError("KV compression applies to baseline or MEA checkpoints, not KHA")
+    if config.mea_key_norm_before_mix:
+        # Its composite keys mix normed components: not linear in the K rows the SVD factors.
+        raise ConversionError("KV compression of a norm-then-mix MEA checkpoint "
+                              "(mea_key_norm_before_mix) is not supported")
+    if mea_key_norm_before_mix and not config.qk_layernorm:
+        raise ConversionError("mea_key_norm_before_mix needs a k norm (qk_layernorm): the "
+                              "checkpoint has none")
     ng, num_layers = config.num_query_groups, config.num_layers
     if not 1 <= num_components <= ng:
         raise ConversionError(
@@ -253,6 +261,7 @@ def compressed_description(
         mea_num_kv_components_per_layer=per_layer,
         mea_mix_init=None,
         mea_head_norm=head_norm,
+        mea_key_norm_before_mix=mea_key_norm_before_mix,
         kha_variant=None,
         kha_targets=None,
     )
@@ -268,6 +277,7 @@ def compress_checkpoint(
     *,
     layers: str = "all",
     mea_head_norm: Optional[bool] = None,
+    mea_key_norm_before_mix: bool = False,
     iteration: Optional[int] = None,
 ) -> ModelDescription:
     """Write an MEA checkpoint with `nc` component K/V heads from a baseline / MEA checkpoint.
@@ -283,6 +293,9 @@ def compress_checkpoint(
             `mea_num_kv_components_per_layer`.
         mea_head_norm: add (True) or drop (False) the head norm. Default: keep the checkpoint's
             (a baseline has none; adding one changes the function).
+        mea_key_norm_before_mix: norm-then-mix (the k norm on each component key, then the
+            mix): the same weights, a different function from the source's mix-then-norm (not
+            exact even at `nc == ng`), whose cache is the components alone. Default: False.
         iteration: checkpoint to read. Default: the latest.
 
     Returns:
@@ -297,7 +310,8 @@ def compress_checkpoint(
     num_layers = description.args.num_layers
     selected = select_layers(layers, num_layers)
     source_config = description.transformer_config(meta=True)
-    target = compressed_description(description, num_kv_components, mea_head_norm, selected)
+    target = compressed_description(description, num_kv_components, mea_head_norm, selected,
+                                    mea_key_norm_before_mix)
     target_config = target.transformer_config(meta=True)
     with converter_process():
         _, groups = read_checkpoint(load_dir, description, iteration)

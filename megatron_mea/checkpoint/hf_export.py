@@ -79,8 +79,9 @@ def choose_format(config, requested: str = "auto") -> str:
     if requested == "plain" and not foldable(config):
         raise ConversionError(
             f"attention_variant={config.attention_variant!r} with mea_head_norm="
-            f"{config.mea_head_norm} / kha_variant={config.kha_variant!r} does not fold into a "
-            "stock architecture; use format 'native' (megatron_mea.hf modeling code)"
+            f"{config.mea_head_norm} / mea_key_norm_before_mix="
+            f"{config.mea_key_norm_before_mix} / kha_variant={config.kha_variant!r} does not "
+            "fold into a stock architecture; use format 'native' (megatron_mea.hf modeling code)"
         )
     return requested
 

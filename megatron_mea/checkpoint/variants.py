@@ -41,10 +41,13 @@ def upcycle_init(name: str, shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def foldable(config) -> bool:
-    """Whether the variant of `config` folds into a plain attention (no head norm, no KHA-MLP)."""
+    """Whether the variant of `config` folds into a plain attention (no head norm, no k norm
+    before the mix, no KHA-MLP)."""
     variant = config.attention_variant
     if variant == "mea":
-        return not config.mea_head_norm
+        # A k norm between the projection and the mix does not fold into the K rows.
+        before_mix = config.mea_key_norm_before_mix and config.qk_layernorm
+        return not config.mea_head_norm and not before_mix
     if variant == "kha":
         return config.kha_variant == "linear"
     return True
@@ -66,7 +69,8 @@ def fold_layer(tensors: Dict[str, torch.Tensor], layer: int, config) -> Dict[str
     if not foldable(config):
         raise ValueError(
             f"attention_variant={config.attention_variant!r} (mea_head_norm="
-            f"{config.mea_head_norm}, kha_variant={config.kha_variant!r}) does not fold into "
+            f"{config.mea_head_norm}, mea_key_norm_before_mix={config.mea_key_norm_before_mix}, "
+            f"kha_variant={config.kha_variant!r}) does not fold into "
             "plain attention"
         )
     prefix = f"decoder.layers.{layer}.self_attention."

@@ -110,6 +110,7 @@ def _compress(args):
         args.num_kv_components,
         layers=args.layers,
         mea_head_norm=args.mea_head_norm,
+        mea_key_norm_before_mix=args.mea_key_norm_before_mix,
         iteration=iteration,
     )
     _report_read(args, iteration)
@@ -202,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
                              help="output checkpoint directory (new or empty)")
             sub.add_argument("--mea-head-norm", action=argparse.BooleanOptionalAction,
                              default=None, help="default: keep the checkpoint's (baseline: none)")
+            sub.add_argument("--mea-key-norm-before-mix", action="store_true",
+                             help="apply the k norm to each component key before the mix "
+                                  "(norm-then-mix: a different function, served by stock "
+                                  "multi-query attention over the components); default: "
+                                  "mix, then norm each composite key, as the source computes")
             sub.set_defaults(run=_compress)
         else:
             sub.add_argument("--data-path", required=True, help="Megatron .bin/.idx prefix")

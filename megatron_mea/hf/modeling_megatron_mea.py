@@ -17,6 +17,8 @@ RMS norm is that scale times one scalar per composite key, so the attention over
 exact with the mix moved to the query side: `q_h . k_g = r_g sum_c A_k[c, g] (q_h . K_c)`, and
 `sum_c A_v[c, g] (p_h @ V_c)` for the values. The prompt (an empty cache) attends through the
 composite heads; otherwise (KHA, `nc == ng`) the cache holds the composite heads as usual.
+With `mea_key_norm_before_mix` (norm-then-mix) the k norm acts on each component key before the
+mix, and the cache holds the normed components without scalars.
 
 Self-contained (imports torch, transformers and the sibling configuration file) so that an export
 can carry it for `trust_remote_code=True`. Written against transformers 5.x.
@@ -217,6 +219,10 @@ class VariantAttention(nn.Module):
             self.knock = Knock(kha, variant_setting(config, "kha_targets"), hn)
         elif variant != "standard":  # standard: a native export for its router or its norms
             raise ValueError(f"attention_variant ({variant!r}) must be 'standard', 'mea' or 'kha'")
+        # Norm-then-mix: the k norm on the components (exports older than the field are
+        # mix-then-norm, so a missing field means False).
+        self.key_norm_before_mix = (variant == "mea" and qk_norm
+                                    and bool(getattr(config, "mea_key_norm_before_mix", False)))
         # Virtual heads cache their components (nc/ng of the memory); nc == ng, the composites.
         self.caches_components = components < groups
 
@@ -233,6 +239,8 @@ class VariantAttention(nn.Module):
             query, key, value = self.knock(query, key, value)
         if self.q_norm is not None:
             query = self.q_norm(query)
+        if self.key_norm_before_mix:
+            key = self.k_norm(key)
         weights = None
         if self.caches_components and cache is not None:
             output = self._attend_with_component_cache(
@@ -249,10 +257,15 @@ class VariantAttention(nn.Module):
             output = self.head_norm(output)
         return self.o_proj(output.reshape(b, s, -1).contiguous()), weights
 
+    def _norm_composite_key(self, key):
+        """The k norm of composite keys: mix-then-norm only."""
+        if self.k_norm is None or self.key_norm_before_mix:
+            return key
+        return self.k_norm(key)
+
     def _rope_and_transpose(self, query, key, value, position_embeddings):
         """k norm, then `[b, s, heads, hn]` -> RoPE'd `[b, heads, s, hn]`."""
-        if self.k_norm is not None:
-            key = self.k_norm(key)
+        key = self._norm_composite_key(key)
         query, key, value = (t.transpose(1, 2) for t in (query, key, value))
         query, key = apply_rotary_pos_emb(query, key, *position_embeddings)
         return query, key, value
@@ -275,7 +288,7 @@ class VariantAttention(nn.Module):
         past = cache.get_seq_length(self.layer_idx)
         composite_key, composite_value = self.head_mix(key, value)
         cached_value = value.reshape(b, 1, s, -1)
-        if self.k_norm is not None:
+        if self.k_norm is not None and not self.key_norm_before_mix:
             wide = composite_key.float()
             inverse_rms = torch.rsqrt(wide.pow(2).mean(-1) + self.k_norm.eps)  # [b, s, ng]
             cached_value = torch.cat([cached_value, inverse_rms.to(value.dtype)[:, None]], -1)
@@ -285,8 +298,7 @@ class VariantAttention(nn.Module):
         cached_key = key.transpose(1, 2).reshape(b, 1, s, -1)
         keys, values = cache.update(cached_key, cached_value, self.layer_idx, kwargs=kwargs)
         if past == 0:  # the prompt: through the composite heads, as without a cache
-            if self.k_norm is not None:
-                composite_key = self.k_norm(composite_key)
+            composite_key = self._norm_composite_key(composite_key)
             _, composite_key = apply_rotary_pos_emb(query, composite_key.transpose(1, 2), cos, sin)
             composite_value = composite_value.transpose(1, 2)
             return self._attend(query, composite_key, composite_value, attention_mask, kwargs)[0]

@@ -86,9 +86,13 @@ class MEASelfAttention(_SplitSelfAttention):
     | attention  | `core_attention`          | `core_attention`        | `kv_cache.attend`        |
     | head norm  | `linear_proj` (`HeadNormedInput`) | same            | same                     |
 
+    With `mea_key_norm_before_mix` the k norm acts on the component keys before HLC
+    (`_norm_component_key`) and not on the composites (`_norm_key` is then the identity).
+
     The cache (`kv_cache.py`, one `CacheKind`) holds the RoPE'd components (with one inverse RMS
-    per composite key under an RMS k norm) when `nc < ng`, or the composites (when `nc == ng` or
-    the k norm is not RMS-type). Megatron's dynamic (paged) context is not supported (see
+    per composite key under an RMS k norm after the mix; normed components under
+    norm-then-mix) when `nc < ng`, or the composites (when `nc == ng` or the k norm is not
+    RMS-type). Megatron's dynamic (paged) context is not supported (see
     docs/inference-decode.md).
 
     TP exchange of training forwards (`mea_tp_exchange`, docs/tensor-parallel.md):
@@ -131,7 +135,10 @@ class MEASelfAttention(_SplitSelfAttention):
         self.exchange = "activations"
         if config.mea_hlc:
             self.head_mix = HeadMix(config, self.tp_group, self.num_components)
-            self.exchange = config.mea_tp_exchange
+            # The k norm before the mix does not fold into the weights (`auto` -> activations;
+            # the config refuses `weights`).
+            if not config.mea_key_norm_before_mix:
+                self.exchange = config.mea_tp_exchange
         self.exchange_shape = ExchangeShape(
             num_heads=config.num_attention_heads,
             num_groups=config.num_query_groups,
@@ -202,7 +209,16 @@ class MEASelfAttention(_SplitSelfAttention):
         return query if self.q_layernorm is None else self.q_layernorm(query)
 
     def _norm_key(self, key):
-        return key if self.k_layernorm is None else self.k_layernorm(key)
+        """The k norm of composite keys (mix-then-norm); identity under norm-then-mix."""
+        if self.k_layernorm is None or self.config.mea_key_norm_before_mix:
+            return key
+        return self.k_layernorm(key)
+
+    def _norm_component_key(self, key):
+        """The k norm of component keys (norm-then-mix); identity under mix-then-norm."""
+        if self.k_layernorm is None or not self.config.mea_key_norm_before_mix:
+            return key
+        return self.k_layernorm(key)
 
     def get_query_key_value_tensors(
         self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True
@@ -215,13 +231,14 @@ class MEASelfAttention(_SplitSelfAttention):
             query, key, value = self._project_composites_folded(hidden_states)
         else:
             query, key, value = self._project_components(hidden_states)
-            key, value = self.mix_heads(key, value)
+            key, value = self.mix_heads(self._norm_component_key(key), value)
         return self._norm_query(query), self._norm_key(key), value
 
     # ---- inference -----------------------------------------------------------------------
 
     def _choose_cache_kind(self) -> CacheKind:
-        key_norm = None if not self.has_key_norm else (
+        # Keys normed before the mix need no scale: the (normed) components are all they need.
+        key_norm = None if not self.has_key_norm or self.config.mea_key_norm_before_mix else (
             "rms" if self.key_norm_factors is not None else "other")
         return CacheKind.choose(self.num_components, self.config.num_query_groups, key_norm)
 
@@ -328,6 +345,7 @@ class MEASelfAttention(_SplitSelfAttention):
         batch = slice(context.batch_size_offset, context.batch_size_offset + b)
         query_freqs, key_freqs = self._position_freqs(rotary_pos_emb, start, s)
         query, key, value = self._project_components(hidden_states)
+        key = self._norm_component_key(key)
         query = self._rope(self._norm_query(query), query_freqs)
         composite_key = composite_value = None
         if start == 0 or self.cache_kind is not CacheKind.COMPONENTS:

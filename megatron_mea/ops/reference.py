@@ -26,6 +26,8 @@ class AttentionParams:
         q_norm, k_norm: RMSNorm scales `[hn]` applied per head (qk_layernorm), or None.
         mix_k, mix_v: MEA HLC matrices `[nc, ng]`, or None (then nc == ng, no mixing).
         head_norm: MEA head RMS norm scale `[np*hn]`, or None.
+        key_norm_before_mix: MEA: `k_norm` on the component keys before HLC (norm-then-mix)
+            instead of on the composite keys after it.
         kha: KHA matrices `[hn, hn]` by parameter name `{target}_{matrix}`: `q_weight`...
             (linear), `v_up`, `v_gate`, `v_down`... (MLP), or `{target}_gate` alone (gate
             only); each target's variant is read from which names it has.
@@ -43,6 +45,7 @@ class AttentionParams:
     mix_k: Optional[torch.Tensor] = None
     mix_v: Optional[torch.Tensor] = None
     head_norm: Optional[torch.Tensor] = None
+    key_norm_before_mix: bool = False
     kha: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -93,7 +96,7 @@ def attention_ref(
     """Causal self-attention with the MEA / KHA transforms, order as in docs/math.md.
 
     split -> KHA (q, k, v) -> q_norm | HLC -> k_norm -> RoPE -> softmax attention -> head norm
-    -> output projection.
+    -> output projection (k_norm before HLC with `key_norm_before_mix`).
 
     Args:
         x: input `[s, b, h]` (already layer-normed, as `linear_qkv` sees it).
@@ -124,9 +127,11 @@ def attention_ref(
     q, k, v = heads["q"], heads["k"], heads["v"]
     if p.q_norm is not None:
         q = rms_norm(q, p.q_norm, eps)
+    if p.k_norm is not None and p.key_norm_before_mix:
+        k = rms_norm(k, p.k_norm, eps)
     if p.mix_k is not None:
         k, v = head_mix(k, p.mix_k), head_mix(v, p.mix_v)
-    if p.k_norm is not None:
+    if p.k_norm is not None and not p.key_norm_before_mix:
         k = rms_norm(k, p.k_norm, eps)
     if rope_base is not None:
         q, k = rope(q, rope_base), rope(k, rope_base)

@@ -127,6 +127,38 @@ def test_compressed_mea_keeps_its_head_norm_and_exports_natively(checkpoints, tm
     torch.testing.assert_close(megatron_logits(again, ids), expected, atol=1e-5, rtol=1e-5)
 
 
+def test_norm_then_mix_is_another_function_exported_with_a_component_cache(checkpoints, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    import megatron_mea.hf  # noqa: F401
+    from megatron_mea.cli.convert import main
+
+    source = checkpoints.imported("qwen3")
+    before, after = str(tmp_path / "norm-then-mix"), str(tmp_path / "mix-then-norm")
+    assert main(["--quiet", "compress", "--load", source, "--save", before,
+                 "--num-kv-components", "2", "--mea-key-norm-before-mix"]) == 0
+    assert not compress_checkpoint(source, after, 2).args.mea_key_norm_before_mix
+    ids = tokens()
+    expected = megatron_logits(before, ids)
+    # The same weights (the SVD), a different function.
+    assert (expected - megatron_logits(after, ids)).abs().max() > 1e-3
+    hf_dir = str(tmp_path / "hf")
+    assert export_hf_checkpoint(before, hf_dir) == "native"
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
+    assert model.config.mea_key_norm_before_mix
+    torch.testing.assert_close(hf_logits(model, ids), expected, atol=1e-4, rtol=1e-4)
+    # Generation with the cache: the components alone (no key scales), the same greedy tokens
+    # as recomputing the whole sequence each step.
+    prompt = ids[:1, :6]
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False, use_cache=True)
+    step = prompt
+    for _ in range(5):
+        step = torch.cat([step, hf_logits(model, step)[:, -1].argmax(-1, keepdim=True)], 1)
+    assert out.tolist() == step.tolist()
+    attention = model.model.layers[0].self_attn
+    assert attention.caches_components and attention.key_norm_before_mix
+
+
 def test_compressing_a_subset_of_layers_keeps_the_others_exact(checkpoints, tmp_path):
     source = checkpoints.imported("qwen3")
     out = str(tmp_path / "last-only")

@@ -17,6 +17,9 @@ VARIANTS = [
     ("mea-no-qk-norm", dict(variant="mea", mea_mix_init="normal", **NO_QK_NORM)),
     ("mea-half-no-qk-norm",
      dict(variant="mea", mea_num_kv_components=2, mea_mix_init="normal", **NO_QK_NORM)),
+    # The k norm before HLC: the normed components are cached, no key scales.
+    ("mea-half-norm-before-mix", dict(variant="mea", mea_num_kv_components=2,
+                                      mea_mix_init="normal", mea_key_norm_before_mix=True)),
     # The +norm control (head norm, no HLC): nc == ng, the composites are cached.
     ("mea-norm", dict(variant="mea", mea_hlc=False)),
 ]

@@ -61,6 +61,8 @@ def test_virtual_heads_cache_half_the_baseline_bytes_plus_the_key_scales(single_
     assert kinds["mea"] == {CacheKind.COMPOSITES}  # nc == ng
     assert kinds["mea-half-no-qk-norm"] == {CacheKind.COMPONENTS}
     assert kinds["mea-half"] == {CacheKind.SCALED_COMPONENTS}
+    assert 2 * sizes["mea-half-norm-before-mix"] == sizes["baseline"]
+    assert kinds["mea-half-norm-before-mix"] == {CacheKind.COMPONENTS}
 
 
 def _all_logits(context):

@@ -22,6 +22,12 @@ CASES = [
     ("mea-virtual-2of4", 8, 4, 4, dict(attention_variant="mea", mea_num_kv_components=2)),
     ("mea-no-norm", 4, 2, 8, dict(attention_variant="mea", mea_head_norm=False)),
     ("mea-no-qk-norm", 6, 3, 6, dict(attention_variant="mea", qk_layernorm=False)),
+    # The k norm on the components, then HLC (norm-then-mix).
+    ("mea-norm-before-mix-2of4", 8, 4, 4, dict(attention_variant="mea", mea_num_kv_components=2,
+                                               mea_mix_init="normal",
+                                               mea_key_norm_before_mix=True)),
+    ("mea-norm-before-mix-mha", 4, 4, 8, dict(attention_variant="mea",
+                                              mea_key_norm_before_mix=True)),
     # The `weights` exchange: HLC folded into linear_qkv.
     ("mea-weights-gqa-odd", 6, 3, 6, dict(attention_variant="mea", mea_mix_init="normal",
                                           mea_tp_exchange="weights")),
@@ -98,6 +104,7 @@ def _reference_forward(x, leaves, config):
         mix_k=leaves.get("head_mix.key_weight"),
         mix_v=leaves.get("head_mix.value_weight"),
         head_norm=leaves.get("head_norm.weight"),
+        key_norm_before_mix=getattr(config, "mea_key_norm_before_mix", False),
         kha={n.split(".", 1)[1]: t for n, t in leaves.items() if n.startswith("knock.")},
     )
     return attention_ref(

@@ -29,6 +29,9 @@ CASES = (
     # An RMS k norm: the nc components and one scale per composite key and token are cached.
     Case("qwen3-mea-nc2", "qwen3", "mea", 2, head_dim=64),
     Case("qwen3_moe-mea-nc2-norm", "qwen3_moe", "mea", 2, {"mea_head_norm": True}),
+    # The k norm before the mix (norm-then-mix): the normed components are cached.
+    Case("qwen3-mea-nc2-norm-before-mix", "qwen3", "mea", 2, {"mea_key_norm_before_mix": True},
+         head_dim=64),
     # MEA with nc = ng (upcycled: identity mixing, perturbed) and the head norm.
     Case("llama-mea-norm", "llama", "mea", None, {"mea_head_norm": True}),
     # KHA.

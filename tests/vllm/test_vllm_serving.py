@@ -64,7 +64,7 @@ def served_tp2(tmp_path_factory):
     return serve(TP2_CASES, tmp_path_factory.mktemp("vllm") / "tp2.json", tp=2)
 
 
-def hf_greedy(name, prompts=PROMPTS):
+def hf_greedy(name, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     """Greedy tokens of the Hugging Face model (full recompute each step, no cache)."""
     from transformers import AutoModelForCausalLM
 
@@ -75,7 +75,7 @@ def hf_greedy(name, prompts=PROMPTS):
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            for _ in range(MAX_TOKENS):
+            for _ in range(max_tokens):
                 ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
             tokens.append(ids[0, len(prompt):].tolist())
     return tokens
@@ -110,4 +110,11 @@ def test_mea_with_a_k_norm_holds_1_85x_the_baseline_tokens(served):
     (_, mea_tokens), = mea["kv_cache"]
     (_, baseline_tokens), = baseline["kv_cache"]
     assert mea_tokens / baseline_tokens >= 1.85, (mea_tokens, baseline_tokens)
+    assert not mea["warnings"]
+
+
+def test_mea_with_the_k_norm_before_the_mix_caches_half_the_baseline_bytes(served):
+    mea = served["qwen3-mea-nc2-norm-before-mix"]
+    ratio = kv_bytes_per_token(mea) / kv_bytes_per_token(served["qwen3-baseline"])
+    assert ratio <= 0.55, ratio
     assert not mea["warnings"]

@@ -13,8 +13,10 @@ KV cache, per layer and token:
   `nc*hn` (multi-query), scale `hn**-0.5`. The cache holds `nc/ng` of the baseline's bytes.
   `nc*hn` must be a head size of the attention backend (32-256 on CPU, up to 256 for
   FlashAttention).
-- MEA with virtual heads and an RMS k norm (Qwen3 families): the norm is `w` (channels) times
-  one inverse RMS `r_g` per composite key and token, which sits inside the softmax:
+- MEA with virtual heads and the k norm before the mix (`mea_key_norm_before_mix`): the
+  component cache, over the normed components.
+- MEA with virtual heads and an RMS k norm after the mix (Qwen3 families): the norm is `w`
+  (channels) times one inverse RMS `r_g` per composite key and token, inside the softmax:
   `q_h . k_g = r_g q'_h . [K_0 ... K_nc-1]` with `K_c = RoPE(w * k_c)`. The cache holds the
   components and the `ng` scales per token, and the attention is `scaled_cache`'s (a backend of
   its own over vLLM's paged cache): `(2*nc*hn + ng) / (2*ng*hn)` of the baseline's bytes.
@@ -196,8 +198,13 @@ class VariantAttention(nn.Module):
         self.rotary_emb = get_rope(hn, max_position=config.max_position_embeddings,
                                    rope_parameters=config.rope_parameters, is_neox_style=True)
 
+        # Norm-then-mix (exports older than the field are mix-then-norm): the keys are linear
+        # in the normed components, so they are cached as without a k norm.
+        self.key_norm_before_mix = (variant == "mea" and qk_norm
+                                    and bool(getattr(config, "mea_key_norm_before_mix", False)))
         # vLLM's RMSNorm is the only k norm of the families served.
-        self.cache_kind = CacheKind.choose(components, groups, "rms" if qk_norm else None)
+        key_norm = "rms" if qk_norm and not self.key_norm_before_mix else None
+        self.cache_kind = CacheKind.choose(components, groups, key_norm)
         self.attn = self._cache_attention(cache_config, quant_config, f"{prefix}.attn")
 
     def _cache_attention(self, cache_config, quant_config, prefix):
@@ -225,6 +232,8 @@ class VariantAttention(nn.Module):
             query, key, value = self.knock(query, key, value)
         if self.q_norm is not None:
             query = self.q_norm(query)
+        if self.key_norm_before_mix:
+            key = self.k_norm(key)
         if self.cache_kind is CacheKind.COMPOSITES:
             output = self._attend_composites(positions, query, key, value)
         else:
@@ -261,7 +270,7 @@ class VariantAttention(nn.Module):
                 key, value = self.head_mix(key, value)
             local = slice(self.first_group, self.first_group + self.num_local_groups)
             key, value = key[:, local], value[:, local]
-        if self.k_norm is not None:
+        if self.k_norm is not None and not self.key_norm_before_mix:
             key = self.k_norm(key)
         query, key = self._rope(positions, query, key)
         output = self.attn(query, key, value.reshape(value.shape[0], -1))

@@ -7,12 +7,17 @@ Checkpoint names are the exports' (the family's Hugging Face names plus the plug
 parameters); pipeline parallelism is not supported.
 """
 
+import logging
 from itertools import islice
 
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.distributed import get_pp_group
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -28,7 +33,10 @@ from vllm.model_executor.models.utils import (
 )
 
 from megatron_mea.hf.configuration_megatron_mea import router_outside_stock
+from megatron_mea.integrations.kv_per_rank import tp_loses_kv_saving_message
 from megatron_mea.integrations.vllm.attention import VariantAttention
+
+logger = logging.getLogger(__name__)
 
 
 def _llama_mlp(vllm_config, config, prefix):
@@ -170,6 +178,9 @@ class VariantForCausalLM(nn.Module):
         super().__init__()
         config = vllm_config.model_config.hf_config
         _refuse_what_vllm_layers_cannot_compute(config)
+        message = tp_loses_kv_saving_message(config, get_tensor_model_parallel_world_size())
+        if message and get_tensor_model_parallel_rank() == 0:
+            logger.warning(message)
         self.config = config
         self.model = VariantModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"),
                                   family=self.family)
