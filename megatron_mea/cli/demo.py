@@ -27,6 +27,7 @@ import yaml
 
 from megatron_mea._optional import import_extra
 from megatron_mea.cli import _demo_runs
+from megatron_mea.files import atomic_write
 
 # A CPU-sized MoE GPT: 4 layers (2 MoE), 8 query heads / 4 KV groups, 4 experts top-2.
 DEMO_CONFIG = {
@@ -90,7 +91,7 @@ def prepare_data(out: str, max_bytes: int) -> str:
     summary = preprocess_files(
         [corpus], prefix, build_tokenizer("ByteLevelTokenizer"), append_eod=True
     )
-    with open(record, "w", encoding="utf-8") as handle:
+    with atomic_write(record) as handle:  # last: a demo killed before it rebuilds the data
         json.dump({"max_bytes": max_bytes, "documents": summary.documents,
                    "tokens": summary.tokens}, handle)
     print(f"[demo] data: {documents} documents, {size / 2**20:.1f} MiB of stdlib source and "
