@@ -360,7 +360,7 @@ def megatron_on_cpu() -> Iterator[bool]:
             patcher = _Patcher(undo)
             for patch in _PATCHES:
                 patch(patcher)
-            logger.info("Megatron-Core CPU patches applied: %s", [p.__name__ for p in _PATCHES])
+            logger.debug("Megatron-Core CPU patches applied: %s", [p.__name__ for p in _PATCHES])
         _depth += 1
         try:
             yield True

@@ -12,7 +12,9 @@ The harness (`lm-eval`, PyPI) is an optional dependency: `pip install megatron_m
 import json
 import logging
 import os
+import subprocess
 import tempfile
+from contextlib import contextmanager
 from typing import Optional, Sequence
 
 from megatron_mea.checkpoint import export_hf_checkpoint
@@ -126,16 +128,47 @@ def evaluate_checkpoint(
         if include_path:
             os.chdir(include_path)
         try:
-            return lm_eval.simple_evaluate(
-                model="hf",
-                model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
-                tasks=list(tasks),
-                task_manager=TaskManager(include_path=include_path),
-                batch_size=batch_size,
-                device=device,
-                limit=limit,
-                num_fewshot=num_fewshot,
-                log_samples=log_samples,
-            )
+            with _git_hash_without_stderr():
+                return lm_eval.simple_evaluate(
+                    model="hf",
+                    model_args=f"pretrained={directory},trust_remote_code=True,dtype=float32",
+                    tasks=list(tasks),
+                    task_manager=TaskManager(include_path=include_path),
+                    batch_size=batch_size,
+                    device=device,
+                    limit=limit,
+                    num_fewshot=num_fewshot,
+                    log_samples=log_samples,
+                )
         finally:
             os.chdir(started_in)
+
+
+@contextmanager
+def _git_hash_without_stderr():
+    """The harness records the git commit of the working directory by running `git describe`
+    with the terminal as git's stderr, so that outside a repository every evaluation prints
+    `fatal: not a git repository`. For the duration of the block, the same look-up (the same
+    fallback to the files of `.git`) with git's stderr dropped. Harness versions without that
+    look-up are left as they are."""
+    from lm_eval import evaluator
+
+    original = getattr(evaluator, "get_git_commit_hash", None)
+    if original is None:
+        yield
+        return
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    def quiet():
+        try:
+            found = subprocess.check_output(["git", "describe", "--always"],
+                                            stderr=subprocess.DEVNULL)
+            return found.strip().decode()
+        except (subprocess.CalledProcessError, FileNotFoundError):
+            return get_commit_from_path(os.getcwd())
+
+    evaluator.get_git_commit_hash = quiet
+    try:
+        yield
+    finally:
+        evaluator.get_git_commit_hash = original

@@ -77,6 +77,8 @@ SLOW = (
     "tests/integrations/test_compress_example.py",
     "tests/integrations/test_megatron_lm_cpu.py",
     "tests/integrations/test_megatron_lm_export.py",
+    "tests/test_demo.py",
+    "tests/test_cli_quiet.py::test_mea_",
 )
 # Tests of the applications' own behaviour, which does not change with the Megatron-Core release
 # (the library calls beneath them are tested on both): each runs with one release only, so
@@ -85,7 +87,7 @@ SLOW = (
 ONE_RELEASE = {
     # The LR-sweep driver (grid, resumption, verdicts, plots), the benchmark's byte accounting,
     # run-directory locks, console-script entry points, torchrun's multi-agent launch, the
-    # lm-eval harness on an export: the application code around Megatron-Core.
+    # lm-eval harness on an export, the demo: the application code around Megatron-Core.
     "tests/training/test_lr_sweep.py": "0.16",
     "tests/training/test_reproduce.py": "0.16",
     "tests/test_bench_attention.py": "0.16",
@@ -96,6 +98,8 @@ ONE_RELEASE = {
     "tests/checkpoint/test_evaluation.py": "0.16",
     # Regenerated data trains (the cache key itself is tested on both, in tests/data).
     "tests/training/test_reliability.py::test_data_regenerated": "0.16",
+    # `make demo`: its reruns, its console and its log files.
+    "tests/test_demo.py": "0.16",
     # The lent GPU machine runs Python 3.12 with megatron-core 0.19 (its wheels are built so).
     "tests/test_gpu_acceptance.py::test_cpu_smoke_on_a_simulated": "0.19",
 }

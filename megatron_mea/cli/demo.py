@@ -8,13 +8,17 @@
 5. Print a summary table (losses, throughput, KV-cache bytes per token, the sample) and save a
    loss-curve PNG.
 
+Run again in the same `--out`, it keeps the variants that are complete, continues the ones an
+interruption left halfway and starts the others afresh (`_demo_runs`). The console shows a
+progress bar and one line per stage, and the table; the tools' own output is appended to
+`<out>/demo.log`, Megatron-Core's log records to `<out>/runs/<variant>/mea-pretrain.log`.
+
     mea-demo [--out runs/demo] [--train-iters 300] [--variants mea-vh kha]
 """
 
 import json
 import os
-import re
-import subprocess
+import shutil
 import sys
 import time
 
@@ -22,6 +26,8 @@ import yaml
 
 from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
+from megatron_mea.cli import _demo_runs
+from megatron_mea.files import atomic_write
 
 # A CPU-sized MoE GPT: 4 layers (2 MoE), 8 query heads / 4 KV groups, 4 experts top-2.
 DEMO_CONFIG = {
@@ -59,63 +65,75 @@ VARIANTS = {
     "mea-vh": ["--attention-variant", "mea", "--mea-num-kv-components", "2"],
     "kha": ["--attention-variant", "kha"],
 }
-SAMPLE_PROMPT = "def "
-SAMPLE_TOKENS = 24
+LOG = "demo.log"
 
 
 def prepare_data(out: str, max_bytes: int) -> str:
-    """Corpus -> `.bin/.idx`; returns the dataset prefix (reused if already built)."""
+    """Corpus -> `.bin/.idx`; returns the dataset prefix. Kept from an earlier demo built with
+    the same `max_bytes`; otherwise `<out>/data` is built anew (Megatron's index cache there
+    included: it is keyed by the path, not by the contents)."""
     from megatron_mea.data import build_stdlib_corpus, build_tokenizer, preprocess_files
 
-    prefix = os.path.join(out, "data", "stdlib_text_document")
-    if os.path.exists(prefix + ".idx"):
-        print(f"[demo] reusing {prefix}.bin/.idx")
-        return prefix
-    corpus = os.path.join(out, "data", "stdlib_corpus.jsonl")
-    os.makedirs(os.path.dirname(corpus), exist_ok=True)
+    data = os.path.join(out, "data")
+    prefix = os.path.join(data, "stdlib_text_document")
+    record = os.path.join(data, "corpus.json")
+    if os.path.exists(prefix + ".idx") and os.path.exists(record):
+        with open(record, encoding="utf-8") as handle:
+            built = json.load(handle)
+        if built["max_bytes"] == max_bytes:
+            print(f"[demo] data: {built['documents']} documents, {built['tokens']} tokens, "
+                  f"kept from an earlier demo ({prefix}.bin/.idx)", flush=True)
+            return prefix
+    shutil.rmtree(data, ignore_errors=True)
+    corpus = os.path.join(data, "stdlib_corpus.jsonl")
+    os.makedirs(data)
     documents, size = build_stdlib_corpus(corpus, max_bytes=max_bytes)
-    print(f"[demo] corpus: {documents} documents, {size / 2**20:.1f} MiB of stdlib source and docs")
     summary = preprocess_files(
         [corpus], prefix, build_tokenizer("ByteLevelTokenizer"), append_eod=True
     )
-    print(f"[demo] preprocessed: {summary.documents} documents, {summary.tokens} tokens")
+    with atomic_write(record) as handle:  # last: a demo killed before it rebuilds the data
+        json.dump({"max_bytes": max_bytes, "documents": summary.documents,
+                   "tokens": summary.tokens}, handle)
+    print(f"[demo] data: {documents} documents, {size / 2**20:.1f} MiB of stdlib source and "
+          f"docs, {summary.tokens} tokens ({prefix}.bin/.idx)", flush=True)
     return prefix
 
 
-def run_variant(name: str, flags, config_path: str, prefix: str, out: str, iters: int) -> dict:
-    """Train one variant through the real CLI; returns its metrics."""
-    run_dir = os.path.join(out, "runs", name)
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if os.path.exists(metrics):
-        os.remove(metrics)
+def run_variant(name: str, args, config_path: str, prefix: str, log) -> dict:
+    """Train (or keep, or continue) one variant and sample it; returns its result for the
+    table. Prints the variant's progress bar and one line."""
+    directory = os.path.join(args.out, "runs", name)
+    settings = {"config": DEMO_CONFIG, "flags": VARIANTS[name], "train_iters": args.train_iters,
+                "save_interval": args.save_interval, "corpus_bytes": args.corpus_bytes}
+    # JSON round trip: compares equal to what a later demo reads back from demo.json.
+    settings = json.loads(json.dumps(settings))
+    action, start, why = _demo_runs.plan_run(directory, settings, args.train_iters)
+    if action == "keep":
+        print(f"[demo] {name}: complete from an earlier demo, kept (remove {directory} to "
+              "train it again)", flush=True)
+        return _demo_runs.completed(directory)
+    tensorboard = os.path.join(args.out, "tensorboard", name)
+    if action == "afresh":  # the curves of the run it replaces would mix with its own
+        shutil.rmtree(tensorboard, ignore_errors=True)
     command = [
         sys.executable, "-m", "megatron_mea.cli.pretrain", "--config", config_path,
-        "--data-path", prefix, "--train-iters", str(iters), "--save", run_dir,
-        "--tensorboard-dir", os.path.join(out, "tensorboard", name), *flags,
+        "--data-path", prefix, "--train-iters", str(args.train_iters),
+        "--save-interval", str(args.save_interval), "--save", directory,
+        "--tensorboard-dir", tensorboard, "--no-progress-bar",
+        *VARIANTS[name],
     ]
-    print(f"\n[demo] {name}: {' '.join(command[1:])}", flush=True)
-    start = time.perf_counter()
-    subprocess.run(command, check=True)
-    with open(metrics, encoding="utf-8") as handle:
-        records = [json.loads(line) for line in handle]
-    return {"records": records, "seconds": time.perf_counter() - start}
-
-
-def greedy_sample(run_dir: str) -> tuple:
-    """(`SAMPLE_TOKENS` greedy bytes after `SAMPLE_PROMPT`, KV-cache bytes per token) of the
-    run's checkpoint, through `mea-generate`: the cache it allocated for the prompt and the
-    sample, over their tokens."""
-    command = [sys.executable, "-m", "megatron_mea.cli.generate", "--load", run_dir,
-               "--prompt", SAMPLE_PROMPT, "--max-new-tokens", str(SAMPLE_TOKENS), "--no-stream",
-               "--ignore-eod"]
-    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
-    marker = f"[0] {SAMPLE_PROMPT}"
-    start = out.index(marker) + len(marker)
-    text = out[start:out.index("\ncheckpoint: ", start)]
-    counts = re.search(r"generated (\d+) tokens from (\d+) prompt tokens", out)
-    cache = re.search(r"KV cache: (\d+) bytes", out)
-    tokens = int(counts.group(1)) + int(counts.group(2))
-    return SAMPLE_PROMPT + text, int(cache.group(1)) // tokens
+    seconds = _demo_runs.train(name, command, directory, action, start, args.train_iters,
+                               settings, log)
+    record = _demo_runs.read_record(directory)
+    record["seconds"] = record.get("seconds", 0.0) + seconds
+    _demo_runs.write_record(directory, record)
+    record["sample"], record["kv_bytes_per_token"] = _demo_runs.greedy_sample(directory, log)
+    _demo_runs.write_record(directory, record)
+    how = (f"continued from iteration {start}" if action == "continue"
+           else "trained afresh" + (f" ({why})" if why else ""))
+    print(f"[demo] {name}: {how} to iteration {args.train_iters} in {seconds:.0f} s, "
+          f"sampled", flush=True)
+    return _demo_runs.completed(directory)
 
 
 def summarize(results: dict) -> str:
@@ -168,42 +186,48 @@ def main(argv=None) -> int:
         argv: the arguments. Default: `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0, or 1 when a training run failed.
+        The exit status: 0; 1 when a tool it ran failed (one line naming it and the log);
+        130 interrupted (a rerun continues).
     """
     parser = ArgumentParser(prog="mea-demo", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/demo")
     parser.add_argument("--train-iters", type=int, default=DEMO_CONFIG["train_iters"])
+    parser.add_argument("--save-interval", type=int, default=DEMO_CONFIG["save_interval"],
+                        help="checkpoint every N steps: where an interrupted demo continues "
+                             "from. Default: %(default)s")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--corpus-bytes", type=int, default=8 * 2**20)
     args = parser.parse_args(argv)
 
     os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
-    prefix = prepare_data(args.out, args.corpus_bytes)
-    config_path = os.path.join(args.out, "demo.yaml")
-    with open(config_path, "w", encoding="utf-8") as handle:
-        yaml.safe_dump(DEMO_CONFIG, handle, sort_keys=False)
-    try:
-        results = {}
-        for name in args.variants:
-            result = run_variant(name, VARIANTS[name], config_path, prefix, args.out,
-                                 args.train_iters)
-            result["sample"], result["kv_bytes_per_token"] = greedy_sample(
-                os.path.join(args.out, "runs", name))
-            results[name] = result
-    except subprocess.CalledProcessError as exc:  # its own output says why
-        if exc.stderr:
-            print(exc.stderr, file=sys.stderr)
-        print(f"mea-demo: error: {' '.join(exc.cmd[1:3])} exited with status {exc.returncode}: "
-              f"{' '.join(exc.cmd[1:])}", file=sys.stderr)
-        return 1
+    log_path = os.path.join(args.out, LOG)
+    with open(log_path, "a", encoding="utf-8") as log:
+        log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} mea-demo "
+                  f"{' '.join(sys.argv[1:] if argv is None else argv)}\n")
+        prefix = prepare_data(args.out, args.corpus_bytes)
+        config_path = os.path.join(args.out, "demo.yaml")
+        with open(config_path, "w", encoding="utf-8") as handle:
+            yaml.safe_dump(DEMO_CONFIG, handle, sort_keys=False)
+        try:
+            results = {name: run_variant(name, args, config_path, prefix, log)
+                       for name in args.variants}
+        except _demo_runs.DemoError as exc:
+            print(f"mea-demo: error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("mea-demo: interrupted; run it again to continue where it stopped",
+                  file=sys.stderr)
+            return 130
     table = summarize(results)
     png = os.path.join(args.out, "loss_curves.png")
     plot(results, png)
     with open(os.path.join(args.out, "summary.txt"), "w", encoding="utf-8") as handle:
         handle.write(table + "\n")
-    print("\n" + table)
-    print(f"\n[demo] loss curves: {png}; TensorBoard: {os.path.join(args.out, 'tensorboard')}")
+    print("\n" + table + "\n")
+    print(f"[demo] loss curves: {png}; TensorBoard: {os.path.join(args.out, 'tensorboard')}")
+    print(f"[demo] logs: {log_path} (the tools' output); Megatron-Core's records: "
+          f"{os.path.join(args.out, 'runs', '<variant>', 'mea-pretrain.log')}")
     print(f"[demo] total {time.perf_counter() - start:.0f} s")
     return 0
 

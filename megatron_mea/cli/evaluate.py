@@ -13,10 +13,10 @@ also saves its results as JSON.
 
 import argparse
 import json
-import logging
 import sys
 
 from megatron_mea.argparsing import ArgumentParser
+from megatron_mea.cli._console import configure_console
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="[mea-eval] %(message)s")
+    # Megatron-Core's and the harness's INFO notices stay off the console (no run directory
+    # to log them to); this package's steps and every warning are shown.
+    configure_console("[mea-eval] %(message)s")
     from megatron_mea.evaluation import evaluate_checkpoint
 
     try:

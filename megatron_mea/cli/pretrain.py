@@ -6,11 +6,15 @@ CPU):
     mea-pretrain --config run.yaml
     torchrun --nproc-per-node 2 --no-python mea-pretrain --config run.yaml \\
         --tensor-model-parallel-size 2
+
+The console shows the progress bar, the per-interval metrics, warnings and errors; every log
+record from INFO (Megatron-Core's config dumps, gradient buckets, dataset builder) is appended to
+`<--save>/mea-pretrain.log` (rank 0).
 """
 
-import logging
 import sys
 
+from megatron_mea.cli._console import configure_console
 from megatron_mea.cpu import megatron_on_cpu
 
 
@@ -29,8 +33,8 @@ def main(argv=None) -> int:
         its traceback); 128 + N stopped by signal N after saving a checkpoint
         (`--exit-signal-handler`: 143 SIGTERM, 130 SIGINT, 129 SIGHUP; one line naming it).
     """
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # Megatron-Core's INFO records go to the run's log file (`--save`/mea-pretrain.log) only.
+    configure_console("%(asctime)s %(levelname)s %(name)s: %(message)s")
     from megatron_mea.training.arguments import parse_args
 
     try:

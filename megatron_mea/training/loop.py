@@ -112,7 +112,7 @@ class Trainer:
         require_cpu_patches("Trainer")
         self.args = args
         initialize(args, timeout_minutes=args.distributed_timeout_minutes)
-        self.heartbeat, self.save_lock = None, None
+        self.heartbeat, self.save_lock, self.run_log = None, None, None
         # What failed on this rank in the step just done (the ranks agree on it after the step).
         self.failure = None
         # The newest checkpoint of this run, loaded or saved: (directory, iteration).
@@ -122,6 +122,9 @@ class Trainer:
                 self.heartbeat = Heartbeat(args.distributed_timeout_minutes).start()
             # Before anything is built: one writer per --save, no silent fresh start over a run.
             self.save_lock, loads = _claim_run_directories(args)
+            # Only now: a run refused above leaves no log file in a directory not its own.
+            if args.save and dist.get_rank() == 0:
+                self.run_log = run_dir.attach_run_log(args.save)
             self._set_up(args, loads)
         except BaseException:
             self.close()
@@ -225,7 +228,11 @@ class Trainer:
             save_config(args, args.save)
 
     def close(self) -> None:
-        """Stop the heartbeat, release the lock on --save (the end of the run)."""
+        """Stop the heartbeat, close the run's log file, release the lock on --save (the end
+        of the run)."""
+        if self.run_log is not None:
+            run_dir.detach_run_log(self.run_log)
+            self.run_log = None
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None

@@ -15,12 +15,17 @@ Three rules, checked on rank 0 before any model is built (`claim_run_directories
   only ever holds one run's steps. A run that continues from an older checkpoint of its own
   `--save` (`--ckpt-step N`) moves the later checkpoints aside (`--rewind-save`; refused
   without), so the directory never mixes two runs.
+
+Rank 0 of a run that passed these checks also keeps a log file there (`RUN_LOG`, appended to by
+every run of the directory): every log record from INFO, Megatron-Core's included, which the
+console leaves out (`megatron_mea.cli._console`).
 """
 
 import fcntl
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Optional, Tuple
 
@@ -31,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 LOCK = "mea-pretrain.lock"
 METRICS = "metrics.jsonl"
+RUN_LOG = "mea-pretrain.log"
 
 
 class RunDirectoryError(ValueError):
@@ -267,3 +273,24 @@ def check_save_path(root: str) -> None:
 def _short(text: str) -> str:
     """A long path shortened for a one-line message."""
     return text if len(text) <= 100 else f"{text[:60]}...{text[-30:]}"
+
+
+def attach_run_log(root: str) -> logging.Handler:
+    """Append every log record from INFO to `root/RUN_LOG` (after a header line naming this
+    process and its command line) until `detach_run_log`; returns the handler.
+
+    The root logger's level decides what reaches the file: the tools set INFO
+    (`megatron_mea.cli._console`); a program that calls the trainer itself keeps its own level.
+    """
+    handler = logging.FileHandler(os.path.join(root, RUN_LOG), encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} pid {os.getpid()}: "
+                         f"{' '.join(sys.argv)}\n")
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def detach_run_log(handler: logging.Handler) -> None:
+    """Stop writing the run's log file (`attach_run_log`) and close it."""
+    logging.getLogger().removeHandler(handler)
+    handler.close()

@@ -268,7 +268,7 @@ def train_run(settings: SweepSettings, config_path: str, variant: str, lr: float
     with open(log_path, "a", encoding="utf-8") as log:
         log.write(f"\n$ {' '.join(command)}\n")
         log.flush()
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=_child_env())
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=child_env())
         try:
             seen = start
             while process.poll() is None:
@@ -304,7 +304,7 @@ _RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
                "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
 
 
-def _child_env() -> dict:
+def child_env() -> dict:
     """This environment without rendezvous variables, with the directory holding `megatron_mea`
     first on PYTHONPATH, so that `python -m megatron_mea.cli.pretrain` finds this package from a
     checkout that is not installed."""
