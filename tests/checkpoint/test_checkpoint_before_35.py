@@ -13,8 +13,8 @@ import shutil
 import pytest
 import torch
 
-from megatron_mea.checkpoint import export_hf_checkpoint
-from megatron_mea.checkpoint.safe_pickle import ALLOWED, check_pickle, check_torch_save
+from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+from megatron_mea.checkpoint.torch_dist.safe_pickle import ALLOWED, check_pickle, check_torch_save
 from tests._dist import run_distributed
 from tests.fixtures.make_checkpoint_before_35 import (
     FIXTURE,

@@ -23,9 +23,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mea.checkpoint.dist_io import read_checkpoint, write_checkpoint
-from megatron_mea.checkpoint.fold import fold_head_mix
-from megatron_mea.checkpoint.megatron_io import (
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint, write_checkpoint
+from megatron_mea.checkpoint.transforms.fold import fold_head_mix
+from megatron_mea.checkpoint.torch_dist.model_only import (
     ConversionError,
     SINGLE_PROCESS_LAYOUT,
     ModelDescription,
@@ -33,8 +33,8 @@ from megatron_mea.checkpoint.megatron_io import (
     converter_process,
     load_model_weights,
 )
-from megatron_mea.checkpoint.output_dir import check_new_directory
-from megatron_mea.checkpoint.variants import upcycle_init
+from megatron_mea.checkpoint.torch_dist.output_dir import check_new_directory
+from megatron_mea.checkpoint.transforms.plugin_params import upcycle_init
 from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 
 logger = logging.getLogger(__name__)

@@ -37,13 +37,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megatron_mea.checkpoint.checks import (
+from megatron_mea.checkpoint.torch_dist.checks import (
     TRACKER,
     ConversionError,
     checkpoint_dir,
     latest_iteration,
 )
-from megatron_mea.checkpoint.safe_pickle import (
+from megatron_mea.checkpoint.torch_dist.safe_pickle import (
     MEGATRON_LM_ARGUMENT_CLASSES,
     MEGATRON_LM_ARGUMENT_CONTAINERS,
 )
