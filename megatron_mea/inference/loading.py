@@ -46,7 +46,7 @@ class InferenceModel:
     checkpoint: str
 
 
-def resolve_checkpoint(path: str, iteration: int | None = None):
+def find_run_checkpoint(path: str, iteration: int | None = None):
     """Find the run directory and the checkpoint to read.
 
     Args:
@@ -135,7 +135,7 @@ def load_for_inference(
     from megatron_mea.data import build_tokenizer
 
     require_cpu_patches("load_for_inference")
-    root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
+    root, directory, iteration = find_run_checkpoint(checkpoint_dir, iteration)
     args = _inference_args_of(root, tp)
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ValueError(
@@ -165,7 +165,7 @@ def load_model(checkpoint_dir: str, tp: int = 1, *, iteration: int | None = None
         (the GPTModel in eval mode, the run's arguments with the inference layout).
     """
     require_cpu_patches("load_model")
-    root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
+    root, directory, iteration = find_run_checkpoint(checkpoint_dir, iteration)
     args = _inference_args_of(root, tp)
     if args.vocab_size is None:
         raise ValueError(f"{root}: no vocab_size recorded; load_for_inference takes it from the "
