@@ -230,7 +230,7 @@ def save_checkpoint(
         data_settings: the run's vocabulary, tokenizer and sequence length
             (`megatron_mea.checkpoint.torch_dist.checks.data_settings`), compared on resume.
         megatron_lm_args: the run's arguments as Megatron-LM saves them
-            (`checkpoint.megatron_lm_io.megatron_lm_arguments`), saved with its checkpoint
+            (`checkpoint.megatron_lm.writing.megatron_lm_arguments`), saved with its checkpoint
             version so that Megatron-LM's `pretrain_gpt.py --use-checkpoint-args` continues.
 
     Raises:
