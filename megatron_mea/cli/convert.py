@@ -120,7 +120,8 @@ def _compress(args):
 
 def _probe(args):
     from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
-    from megatron_mea.checkpoint.transforms.compress import load_tokens, probe_layers, select_layers
+    from megatron_mea.checkpoint.transforms.compress import probe_layers, select_layers
+    from megatron_mea.data.samples import load_tokens
 
     num_layers = ModelDescription.load(args.load).args.num_layers
     layers = select_layers(args.layers, num_layers)

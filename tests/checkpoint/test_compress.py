@@ -7,17 +7,18 @@ import pytest
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megatron_mea.checkpoint.torch_dist.checks import ConversionError
-from megatron_mea.checkpoint.transforms.compress import (
-    compress_checkpoint,
-    load_tokens,
-    probe_layers,
-    select_layers,
-)
 from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
 from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
+from megatron_mea.checkpoint.torch_dist.checks import ConversionError
 from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
-from megatron_mea.checkpoint.transforms.compress import approximate_layer, svd_heads
+from megatron_mea.checkpoint.transforms.compress import (
+    approximate_layer,
+    compress_checkpoint,
+    probe_layers,
+    select_layers,
+    svd_heads,
+)
+from megatron_mea.data.samples import load_tokens
 from tests.checkpoint._hf_models import (
     VOCAB,
     build_hf_model,
