@@ -17,8 +17,8 @@ import tempfile
 from contextlib import contextmanager
 from typing import Optional, Sequence
 
-from megatron_mea.checkpoint import export_hf_checkpoint
-from megatron_mea.checkpoint.hf_io import has_tokenizer
+from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+from megatron_mea.checkpoint.hf.files import has_tokenizer
 from megatron_mea.data.tokenizers import ByteLevelTokenizer
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ BYTE_LEVEL_VOCAB = ByteLevelTokenizer().vocab_size  # 256 bytes and <eod>
 
 
 def _checkpoint_tokenizer_type(load_dir: str) -> Optional[str]:
-    from megatron_mea.checkpoint.megatron_io import ModelDescription
+    from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
 
     return getattr(ModelDescription.load(load_dir).args, "tokenizer_type", None)
 

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     flags = [f for f in args.pretrain if f != "--"]
 
-    from megatron_mea.checkpoint import integrity
+    from megatron_mea.checkpoint.torch_dist import integrity
     from megatron_mea.training import checkpointing, loop
     from megatron_mea.training.arguments import parse_args
 

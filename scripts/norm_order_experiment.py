@@ -33,8 +33,8 @@ def run(module, *args):
 
 def mean_loss(load_dir, tokens):
     """Mean next-token loss (nats per byte) of the checkpoint at `load_dir` on `tokens`."""
-    from megatron_mea.checkpoint.compress import _mean_loss
-    from megatron_mea.checkpoint.megatron_io import (
+    from megatron_mea.checkpoint.transforms.compress import _mean_loss
+    from megatron_mea.checkpoint.torch_dist.model_only import (
         SINGLE_PROCESS_LAYOUT,
         ModelDescription,
         build_model,
@@ -56,7 +56,7 @@ def main(argv=None):
     parser.add_argument("--corpus-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--eval-samples", type=int, default=64)
     args = parser.parse_args(argv)
-    from megatron_mea.checkpoint import load_tokens
+    from megatron_mea.data.samples import load_tokens
     from megatron_mea.cpu import megatron_on_cpu
 
     os.makedirs(args.out, exist_ok=True)

@@ -9,9 +9,9 @@ import inspect
 
 import pytest
 
-from megatron_mea.checkpoint.megatron_io import ModelDescription
-from megatron_mea.integrations.mlm_flags import MEGATRON_LM_TAGS, load_flags
+from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
 from megatron_mea.integrations.args import plugin_fields
+from megatron_mea.integrations.mlm_flags import MEGATRON_LM_TAGS, load_flags
 from megatron_mea.model_args import (
     ARCHITECTURE_FIELDS,
     MODEL_FIELDS,
@@ -87,8 +87,8 @@ def test_the_trainer_maps_no_model_field_by_hand():
 
 
 def test_the_resume_check_compares_the_declared_tensor_fields():
+    from megatron_mea.checkpoint.torch_dist import checks as checkpoint_checks
     from megatron_mea.model_args import TENSOR_FIELDS
-    from megatron_mea.checkpoint import checks as checkpoint_checks
 
     assert checkpoint_checks.MODEL_SETTINGS is TENSOR_FIELDS
     assert {"num_layers", "moe_router_enable_expert_bias"} <= set(TENSOR_FIELDS)
@@ -126,7 +126,7 @@ def test_every_model_field_is_a_megatron_lm_argument(tag):
 
 
 def test_sizes_left_unset_are_filled_in_one_way_by_every_consumer():
-    from megatron_mea.checkpoint.megatron_lm_args import megatron_lm_arguments
+    from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
     from megatron_mea.model_args import RunArgs, derived_sizes, gpt_model_kwargs
 
     unset = dict(NON_DEFAULTS, ffn_hidden_size=None, kv_channels=None, num_query_groups=None,

@@ -2,8 +2,8 @@
 
 Each expected value below is a number the paper prints (or the paper's own formula evaluated);
 what is compared against it is computed by `megatron_mea.model_size` (the accounting behind
-`mea-model-size`) or `megatron_mea.checkpoint.compress` (`mea-convert compress`), so a change to
-the counting, the FLOP terms or the SVD makes these fail.
+`mea-model-size`) or `megatron_mea.checkpoint.transforms.compress` (`mea-convert compress`), so
+a change to the counting, the FLOP terms or the SVD makes these fail.
 
 KHA = Zhou et al., "Knocking-Heads Attention", arXiv 2510.23052 v1; MEA = Peng, Zhou et al.,
 "Explicit Multi-head Attention for Inter-head Interaction in LLMs", arXiv 2601.19611 v1.
@@ -15,8 +15,12 @@ import math
 import pytest
 import torch
 
-from megatron_mea.checkpoint.compress import compress_layer, compressed_description, select_layers
-from megatron_mea.checkpoint.megatron_io import ModelDescription
+from megatron_mea.checkpoint.transforms.compress import (
+    compress_layer,
+    compressed_description,
+    select_layers,
+)
+from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
 from megatron_mea.model_args import ModelArgs, RunArgs
 from megatron_mea.model_size import (
     ModelShape,

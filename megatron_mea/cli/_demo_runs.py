@@ -27,8 +27,12 @@ import time
 from typing import Optional, Tuple
 
 from megatron_mea._optional import import_extra
-from megatron_mea.checkpoint import integrity
-from megatron_mea.checkpoint.checks import CheckpointError, checkpoint_dir, latest_iteration
+from megatron_mea.checkpoint.torch_dist import integrity
+from megatron_mea.checkpoint.torch_dist.checks import (
+    CheckpointError,
+    checkpoint_dir,
+    latest_iteration,
+)
 from megatron_mea.files import atomic_write
 from megatron_mea.training.run_dir import saved_iterations
 from megatron_mea.training.sweep_runs import child_env, read_metrics, resume_point

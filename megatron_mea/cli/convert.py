@@ -41,7 +41,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
 
 def _import_hf(args):
-    from megatron_mea.checkpoint import import_hf_checkpoint
+    from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
 
     parallel = {
         name: getattr(args, name)
@@ -67,8 +67,8 @@ def _import_hf(args):
 def _resolve_iteration(args) -> int:
     """The iteration of `--load` this command reads (`--iteration`, or the one `latest` names),
     fixed before reading, so the line that reports it names what was read."""
-    from megatron_mea.checkpoint.checks import ITER_DIR
-    from megatron_mea.checkpoint.megatron_io import resolve_checkpoint
+    from megatron_mea.checkpoint.torch_dist.checks import ITER_DIR
+    from megatron_mea.checkpoint.torch_dist.model_only import resolve_checkpoint
 
     # A missing checkpoint is refused, named; `--load DIR/iter_XXXXXXX` names its iteration.
     directory = resolve_checkpoint(args.load, args.iteration)
@@ -82,7 +82,7 @@ def _report_read(args, iteration: int) -> None:
 
 
 def _export_hf(args):
-    from megatron_mea.checkpoint import export_hf_checkpoint
+    from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
 
     iteration = _resolve_iteration(args)
     fmt = export_hf_checkpoint(
@@ -100,8 +100,8 @@ def _export_hf(args):
 
 
 def _compress(args):
-    from megatron_mea.checkpoint import compress_checkpoint
-    from megatron_mea.checkpoint.compress import kv_heads_per_layer
+    from megatron_mea.checkpoint.transforms.compress import compress_checkpoint
+    from megatron_mea.checkpoint.transforms.compress import kv_heads_per_layer
 
     iteration = _resolve_iteration(args)
     target = compress_checkpoint(
@@ -119,8 +119,9 @@ def _compress(args):
 
 
 def _probe(args):
-    from megatron_mea.checkpoint import load_tokens, probe_layers, select_layers
-    from megatron_mea.checkpoint.megatron_io import ModelDescription
+    from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
+    from megatron_mea.checkpoint.transforms.compress import probe_layers, select_layers
+    from megatron_mea.data.samples import load_tokens
 
     num_layers = ModelDescription.load(args.load).args.num_layers
     layers = select_layers(args.layers, num_layers)
@@ -233,7 +234,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
-    from megatron_mea.checkpoint import ConversionError
+    from megatron_mea.checkpoint.torch_dist.checks import ConversionError
     from megatron_mea.training.checkpointing import CheckpointError
 
     try:

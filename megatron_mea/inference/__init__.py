@@ -19,7 +19,7 @@ from megatron_mea.inference.loading import (
     InferenceModel,
     load_for_inference,
     load_model,
-    resolve_checkpoint,
+    find_run_checkpoint,
 )
 from megatron_mea.inference.sampling import SamplingParams, sample_next_tokens
 from megatron_mea.inference.streaming import TextStream
@@ -35,6 +35,6 @@ __all__ = [
     "kv_cache_bytes",
     "load_for_inference",
     "load_model",
-    "resolve_checkpoint",
+    "find_run_checkpoint",
     "sample_next_tokens",
 ]

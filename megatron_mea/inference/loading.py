@@ -3,7 +3,7 @@
 A run directory holds `config.yaml` (the run's arguments), `latest_checkpointed_iteration.txt`
 and `iter_XXXXXXX/` torch_dist checkpoints (written by `megatron_mea.training.checkpointing`); a
 Megatron-LM run directory has no `config.yaml`, its model is described by the arguments saved in
-the checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). The model is rebuilt from the saved
+the checkpoint (`megatron_mea.checkpoint.megatron_lm.reading`). The model is rebuilt from the saved
 arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1; no sequence
 parallelism; more vocabulary padding where TP needs it) and its weights are read through
 `dist_checkpointing`, which reshards them from whatever layout they were saved at. What the
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
-from megatron_mea.checkpoint import checks
-from megatron_mea.checkpoint.megatron_io import UNSHARDED_BUT_TP, ModelDescription
-from megatron_mea.checkpoint.megatron_lm_io import common_state_types
+from megatron_mea.checkpoint.megatron_lm.reading import common_state_types
+from megatron_mea.checkpoint.torch_dist import checks
+from megatron_mea.checkpoint.torch_dist.model_only import UNSHARDED_BUT_TP, ModelDescription
 from megatron_mea.cpu import require_cpu_patches
 from megatron_mea.model_args import RunArgs
 
@@ -46,7 +46,7 @@ class InferenceModel:
     checkpoint: str
 
 
-def resolve_checkpoint(path: str, iteration: int | None = None):
+def find_run_checkpoint(path: str, iteration: int | None = None):
     """Find the run directory and the checkpoint to read.
 
     Args:
@@ -130,12 +130,12 @@ def load_for_inference(
             not a multiple of `tp`), `tp` does not divide the world size, or the tokenizer has
             ids the model lacks.
         CheckpointError: a partial or corrupt checkpoint, or one of another model
-            (`megatron_mea.checkpoint.checks.verify_checkpoint`).
+            (`megatron_mea.checkpoint.torch_dist.checks.verify_checkpoint`).
     """
     from megatron_mea.data import build_tokenizer
 
     require_cpu_patches("load_for_inference")
-    root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
+    root, directory, iteration = find_run_checkpoint(checkpoint_dir, iteration)
     args = _inference_args_of(root, tp)
     if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise ValueError(
@@ -165,7 +165,7 @@ def load_model(checkpoint_dir: str, tp: int = 1, *, iteration: int | None = None
         (the GPTModel in eval mode, the run's arguments with the inference layout).
     """
     require_cpu_patches("load_model")
-    root, directory, iteration = resolve_checkpoint(checkpoint_dir, iteration)
+    root, directory, iteration = find_run_checkpoint(checkpoint_dir, iteration)
     args = _inference_args_of(root, tp)
     if args.vocab_size is None:
         raise ValueError(f"{root}: no vocab_size recorded; load_for_inference takes it from the "

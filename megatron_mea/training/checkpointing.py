@@ -16,7 +16,7 @@ only the distributed optimizer's default `dp_reshardable` format is tied to its 
 layout (refused with a message).
 
 The checks that refuse a checkpoint before loading are the library's
-`megatron_mea.checkpoint.checks` (re-exported here: `CheckpointError`, `TRACKER`,
+`megatron_mea.checkpoint.torch_dist.checks` (re-exported here: `CheckpointError`, `TRACKER`,
 `checkpoint_dir`, `latest_iteration`, `verify_checkpoint`), the restoring of optimizer and
 scheduler state in `optimizer_state`.
 """
@@ -33,8 +33,8 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mea.checkpoint import integrity
-from megatron_mea.checkpoint.checks import (
+from megatron_mea.checkpoint.torch_dist import integrity
+from megatron_mea.checkpoint.torch_dist.checks import (
     TRACKER,
     CheckpointError,
     check_data_settings,
@@ -43,7 +43,7 @@ from megatron_mea.checkpoint.checks import (
     latest_iteration,
     verify_checkpoint,
 )
-from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION
+from megatron_mea.checkpoint.megatron_lm.writing import CHECKPOINT_VERSION
 from megatron_mea.files import atomic_write
 from megatron_mea.training import optimizer_state
 
@@ -228,9 +228,9 @@ def save_checkpoint(
         use_distributed_optimizer, fully_reshardable: select the distributed optimizer's
             sharding type as Megatron-LM does (`dp_reshardable` unless `fully_reshardable`).
         data_settings: the run's vocabulary, tokenizer and sequence length
-            (`megatron_mea.checkpoint.checks.data_settings`), compared on resume.
+            (`megatron_mea.checkpoint.torch_dist.checks.data_settings`), compared on resume.
         megatron_lm_args: the run's arguments as Megatron-LM saves them
-            (`checkpoint.megatron_lm_io.megatron_lm_arguments`), saved with its checkpoint
+            (`checkpoint.megatron_lm.writing.megatron_lm_arguments`), saved with its checkpoint
             version so that Megatron-LM's `pretrain_gpt.py --use-checkpoint-args` continues.
 
     Raises:

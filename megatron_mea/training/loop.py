@@ -21,24 +21,24 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
 from megatron_mea._optional import import_extra
-from megatron_mea.checkpoint.checks import (
+from megatron_mea.checkpoint.torch_dist.checks import (
     ModelMismatchError,
     data_settings,
     explain_model_mismatch,
 )
-from megatron_mea.checkpoint.megatron_lm_args import megatron_lm_arguments
+from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
 from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
 from megatron_mea.gpt import build_model, initialize, transformer_config
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.run_config import save_config
 from megatron_mea.training import checkpointing, processes, run_dir
-from megatron_mea.training.signals import ExitSignalHandler
-from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 from megatron_mea.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
 from megatron_mea.training.batches import MicroBatches
 from megatron_mea.training.model import build_optimizer, build_scheduler, wrap_ddp
 from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
+from megatron_mea.training.signals import ExitSignalHandler
+from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 
 logger = logging.getLogger(__name__)
 

@@ -3,8 +3,8 @@ and checkpoint rewrites."""
 
 import torch
 
-from megatron_mea.checkpoint.dist_io import read_checkpoint, write_checkpoint
-from megatron_mea.checkpoint.megatron_io import (
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint, write_checkpoint
+from megatron_mea.checkpoint.torch_dist.model_only import (
     ModelDescription,
     build_model,
     load_model_weights,

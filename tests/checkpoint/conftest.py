@@ -26,7 +26,7 @@ class Checkpoints:
 
     def imported(self, family, variant="standard", **options):
         """Megatron checkpoint directory of `family` imported as `variant`."""
-        from megatron_mea.checkpoint import import_hf_checkpoint
+        from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
 
         tag = "-".join([variant] + [f"{k}={v}" for k, v in sorted(options.items())])
         key = (family, tag)

@@ -85,7 +85,7 @@ def test_messages_name_what_is_wrong_and_quiet_goes_anywhere(checkpoints, tmp_pa
     import logging
 
     from megatron_mea.cli.convert import build_parser
-    from megatron_mea.inference.loading import resolve_checkpoint
+    from megatron_mea.inference.loading import find_run_checkpoint
 
     source = checkpoints.imported("qwen3")  # iteration 0
     missing = str(tmp_path / "no-such-run")
@@ -99,10 +99,10 @@ def test_messages_name_what_is_wrong_and_quiet_goes_anywhere(checkpoints, tmp_pa
     assert not os.path.exists(out)
     # mea-generate's loader says the same
     with pytest.raises(FileNotFoundError, match=f"^{missing}: no such directory$"):
-        resolve_checkpoint(missing)
+        find_run_checkpoint(missing)
     with pytest.raises(FileNotFoundError, match=r"iter_0000999: no such checkpoint \(iterations "
                                                 r"saved there: 0\)$"):
-        resolve_checkpoint(source, 999)
+        find_run_checkpoint(source, 999)
     # the embedding and output layer are named, not "layer -1"
     with caplog.at_level(logging.INFO, logger="megatron_mea"):
         assert main(["export-hf", "--load", source, "--save", out]) == 0

@@ -7,17 +7,18 @@ import pytest
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from megatron_mea.checkpoint import (
-    ConversionError,
+from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
+from megatron_mea.checkpoint.torch_dist.checks import ConversionError
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
+from megatron_mea.checkpoint.transforms.compress import (
+    approximate_layer,
     compress_checkpoint,
-    export_hf_checkpoint,
-    import_hf_checkpoint,
-    load_tokens,
     probe_layers,
-    read_checkpoint,
     select_layers,
+    svd_heads,
 )
-from megatron_mea.checkpoint.compress import approximate_layer, svd_heads
+from megatron_mea.data.samples import load_tokens
 from tests.checkpoint._hf_models import (
     VOCAB,
     build_hf_model,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_mea.checkpoint import import_hf_checkpoint
+from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
 from tests.checkpoint._hf_models import build_hf_model, save_hf_model
 from tests.checkpoint._megatron import megatron_logits, perturb_plugin_params
 

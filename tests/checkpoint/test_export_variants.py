@@ -6,12 +6,10 @@ import os
 import pytest
 import torch
 
-from megatron_mea.checkpoint import (
-    ConversionError,
-    export_hf_checkpoint,
-    import_hf_checkpoint,
-    read_checkpoint,
-)
+from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
+from megatron_mea.checkpoint.torch_dist.checks import ConversionError
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 from tests.checkpoint._hf_models import hf_logits, tokens
 from tests.checkpoint._megatron import megatron_logits, perturb_plugin_params
 
@@ -97,8 +95,8 @@ def test_native_config_carries_every_variant_field_as_the_training_config_resolv
     default for MoE models included), and the modeling code has no defaults of its own."""
     import json
 
-    from megatron_mea.checkpoint.hf_config import VARIANT_FIELDS
-    from megatron_mea.checkpoint.megatron_io import ModelDescription
+    from megatron_mea.checkpoint.hf.config import VARIANT_FIELDS
+    from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
     from megatron_mea.hf.modeling_megatron_mea import variant_setting
 
     source = checkpoints.imported("qwen3_moe", "kha")  # kha_variant left to the default
@@ -146,7 +144,7 @@ def test_native_export_generates_from_a_component_cache_of_half_the_baseline(
 ):
     from transformers import AutoModelForCausalLM
 
-    from megatron_mea.checkpoint import compress_checkpoint
+    from megatron_mea.checkpoint.transforms.compress import compress_checkpoint
 
     trained = perturb_plugin_params(checkpoints.imported("qwen3", "mea", mea_head_norm=True),
                                     str(tmp_path / "trained"))

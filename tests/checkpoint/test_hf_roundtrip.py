@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatron_mea.checkpoint import export_hf_checkpoint, read_checkpoint
+from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 from tests._dist import run_distributed
 from tests.checkpoint._hf_models import (
     FAMILIES,
@@ -84,7 +85,7 @@ def test_upcycled_mea_with_head_norm_differs_from_the_baseline(checkpoints):
 def _tp2_logits_and_pp2_parameters(rank, world_size, cases, pp_root):
     from megatron.core import parallel_state
 
-    from megatron_mea.checkpoint.megatron_io import (
+    from megatron_mea.checkpoint.torch_dist.model_only import (
         ModelDescription,
         build_model,
         load_model_weights,
@@ -137,7 +138,7 @@ def test_logits_at_tp2_and_ep2_and_parameters_at_pp2_match(checkpoints):
 
 
 def test_tied_embeddings_round_trip_and_compute_the_hf_logits(tmp_path, single_rank):
-    from megatron_mea.checkpoint import import_hf_checkpoint
+    from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
     from tests.checkpoint._hf_models import build_hf_model, save_hf_model
 
     model = build_hf_model("qwen3", tie_word_embeddings=True)
@@ -154,7 +155,7 @@ def test_tied_embeddings_round_trip_and_compute_the_hf_logits(tmp_path, single_r
 
 
 def test_padded_vocabulary_round_trips_and_keeps_the_logits(checkpoints, tmp_path):
-    from megatron_mea.checkpoint import import_hf_checkpoint
+    from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
 
     hf_dir, model = checkpoints.hf("llama")
     meg = str(tmp_path / "meg")
@@ -180,8 +181,8 @@ def test_training_settings_survive_export_and_import(checkpoints, tmp_path, fami
 
     import yaml
 
-    from megatron_mea.checkpoint import import_hf_checkpoint
-    from megatron_mea.checkpoint.hf_config import HF_TRAINING_FIELDS
+    from megatron_mea.checkpoint.hf.config import HF_TRAINING_FIELDS
+    from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
 
     run = str(tmp_path / "run")
     variant = "mea" if options else "standard"

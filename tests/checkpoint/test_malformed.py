@@ -8,13 +8,11 @@ import shutil
 import pytest
 import torch
 
-from megatron_mea.checkpoint import (
-    ConversionError,
-    export_hf_checkpoint,
-    import_hf_checkpoint,
-    write_checkpoint,
-)
-from megatron_mea.checkpoint.megatron_io import ModelDescription, converter_process
+from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
+from megatron_mea.checkpoint.torch_dist.checks import ConversionError
+from megatron_mea.checkpoint.torch_dist.layerwise import write_checkpoint
+from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription, converter_process
 from megatron_mea.training.checkpointing import TRACKER, CheckpointError
 from tests.checkpoint._hf_models import edited_copy, hf_config
 
@@ -134,7 +132,7 @@ def test_outputs_must_be_new_or_empty_directories(checkpoints, tmp_path):
     meg = checkpoints.imported("qwen3")
     with pytest.raises(ConversionError, match="not empty"):
         export_hf_checkpoint(meg, hf_dir)
-    from megatron_mea.checkpoint import compress_checkpoint
+    from megatron_mea.checkpoint.transforms.compress import compress_checkpoint
 
     with pytest.raises(ConversionError, match="not empty"):
         compress_checkpoint(meg, meg, 2)
@@ -155,7 +153,7 @@ def test_export_refuses_a_reference_of_another_model_before_writing(checkpoints,
 
 
 def test_a_failed_export_leaves_nothing(checkpoints, tmp_path, monkeypatch):
-    from megatron_mea.checkpoint import hf_export
+    from megatron_mea.checkpoint.hf import exporting as hf_export
 
     def fail(*args):
         raise OSError("disk full")

@@ -19,10 +19,11 @@ import os
 import pytest
 import torch
 
-from megatron_mea.checkpoint import export_hf_checkpoint, import_hf_checkpoint
-from megatron_mea.checkpoint.dist_io import read_checkpoint
-from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
-from megatron_mea.checkpoint.megatron_lm_io import (
+from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
+from megatron_mea.checkpoint.torch_dist.model_only import ConversionError, ModelDescription
+from megatron_mea.checkpoint.megatron_lm.reading import (
     common_state_types,
     run_args_from_megatron_lm,
     read_common_state,

@@ -12,8 +12,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 
-from megatron_mea.checkpoint import integrity
-from megatron_mea.checkpoint.safe_pickle import (
+from megatron_mea.checkpoint.torch_dist import integrity
+from megatron_mea.checkpoint.torch_dist.safe_pickle import (
     UnsafePickleError,
     check_pickle,
     check_torch_save,

@@ -93,7 +93,7 @@ def test_the_export_of_a_byte_level_run_carries_its_tokenizer_and_eod(checkpoint
     ByteLevelTokenizer does; `<eod>` is the eos token, so HF generate stops at a document end."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    from megatron_mea.checkpoint import export_hf_checkpoint
+    from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
     from megatron_mea.data.tokenizers import ByteLevelTokenizer
 
     export = str(tmp_path / "hf")

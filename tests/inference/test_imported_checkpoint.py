@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from megatron_mea.checkpoint import import_hf_checkpoint
+from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
 from megatron_mea.inference import load_for_inference
 from tests._dist import run_distributed
 from tests.checkpoint._hf_models import LLAMA3, build_hf_model, save_hf_model

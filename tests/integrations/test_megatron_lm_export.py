@@ -18,10 +18,11 @@ import sys
 import pytest
 import torch
 
-from megatron_mea.checkpoint import export_hf_checkpoint, import_hf_checkpoint
+from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
 from tests._dist import run_distributed, standalone_environment
-from megatron_mea.checkpoint.dist_io import read_checkpoint
-from megatron_mea.checkpoint.megatron_lm_io import read_common_state
+from megatron_mea.checkpoint.megatron_lm.reading import read_common_state
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 from tests.integrations.megatron_lm_cpu import (
     KHA, MEA_VARIANT, MOE, TINY, installed_tag, logged_arg, train)
 

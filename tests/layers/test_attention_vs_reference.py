@@ -6,7 +6,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.spec_utils import build_module
 
 from megatron_mea import get_gpt_layer_spec
-from megatron_mea.checkpoint import unfuse_qkv
+from megatron_mea.ops.qkv_layout import unfuse_qkv
 from megatron_mea.ops.reference import AttentionParams, attention_ref
 from tests._models import CPU_EXACT, perturb_plugin_params
 from megatron_mea import MEATransformerConfig

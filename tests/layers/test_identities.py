@@ -6,7 +6,8 @@ import re
 import pytest
 import torch
 
-from megatron_mea.checkpoint import fold_head_mix, fold_kha_linear, fuse_qkv, unfuse_qkv
+from megatron_mea.checkpoint.transforms.fold import fold_head_mix, fold_kha_linear
+from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 from tests._models import batch, build_gpt, perturb_plugin_params, tiny_config
 
 PLUGIN_KEY = re.compile(r"\.(head_mix|head_norm|knock)\.")

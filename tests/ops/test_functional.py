@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_mea.checkpoint import fold_head_mix, fold_kha_linear
+from megatron_mea.checkpoint.transforms.fold import fold_head_mix, fold_kha_linear
 from megatron_mea.ops import (
     fuse_qkv,
     head_mix,

@@ -381,7 +381,7 @@ class _Payload:
 def test_a_crafted_pickle_is_refused_without_running_it(saved_checkpoint, tmp_path, target):
     import torch
 
-    from megatron_mea.checkpoint import integrity
+    from megatron_mea.checkpoint.torch_dist import integrity
     from megatron_mea.training.checkpointing import CheckpointError, verify_checkpoint
 
     ckpt = str(tmp_path / "ckpt")
@@ -653,8 +653,8 @@ def test_data_regenerated_at_the_same_path_trains_on_the_new_data(tmp_path):
 FILE_SIZE_LIMIT = """
 import os, resource, sys
 if __name__ == "__main__":
-    from megatron_mea.training import loop
     from megatron_mea.cli.pretrain import main
+    from megatron_mea.training import loop
     save, limit = loop.Trainer.save, sys.argv[1]
     def save_then_limit(self, root):
         save(self, root)

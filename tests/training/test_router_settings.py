@@ -25,7 +25,7 @@ BIAS = "decoder.layers.0.mlp.router.expert_bias"
 
 
 def _saved_bias(root):
-    from megatron_mea.checkpoint.dist_io import read_checkpoint
+    from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 
     _, groups = read_checkpoint(root)
     return dict(groups)[0][BIAS]
@@ -42,7 +42,7 @@ def test_kha_recipe_router_trains_resumes_exactly_and_exports(tmp_path, single_r
     assert bias.dtype == torch.float32 and bias.abs().max() > 0  # the bias was updated
     assert torch.equal(_saved_bias(interrupted), bias)
 
-    from megatron_mea.checkpoint import export_hf_checkpoint
+    from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
     from tests.checkpoint._hf_models import hf_logits
     from tests.checkpoint._megatron import megatron_logits
     from tests.checkpoint.test_megatron_lm_checkpoints import _load_hf

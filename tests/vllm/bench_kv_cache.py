@@ -43,7 +43,7 @@ ENV = dict(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", HF_HU
 
 def make(root):
     """Write the exports of `BENCH` under `root` (main venv: Megatron-Core converts)."""
-    from megatron_mea.checkpoint.megatron_io import converter_process
+    from megatron_mea.checkpoint.torch_dist.model_only import converter_process
     from megatron_mea.cpu import megatron_on_cpu
     from megatron_mea.quiet import quiet_warnings
     from tests.vllm.make_exports import build_case

@@ -37,11 +37,9 @@ def hf_model(family, seed=0, head_dim=32, context=256):
 
 def build_case(case, root):
     """Write the export of `case` (a `cases.Case`) under `root/case.name`."""
-    from megatron_mea.checkpoint import (
-        compress_checkpoint,
-        export_hf_checkpoint,
-        import_hf_checkpoint,
-    )
+    from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
+    from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
+    from megatron_mea.checkpoint.transforms.compress import compress_checkpoint
     from tests.checkpoint._hf_models import save_hf_model
     from tests.checkpoint._megatron import perturb_plugin_params
 
@@ -78,9 +76,9 @@ def main(argv=None):
     parser.add_argument("out")
     parser.add_argument("--cases", nargs="+", default=[c.name for c in CASES])
     args = parser.parse_args(argv)
-    from megatron_mea.quiet import quiet_warnings
-    from megatron_mea.checkpoint.megatron_io import converter_process
+    from megatron_mea.checkpoint.torch_dist.model_only import converter_process
     from megatron_mea.cpu import megatron_on_cpu
+    from megatron_mea.quiet import quiet_warnings
 
     quiet_warnings()
     os.makedirs(args.out, exist_ok=True)

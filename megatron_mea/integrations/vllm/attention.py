@@ -88,8 +88,9 @@ class HeadNorm(nn.Module):
         return (wide * self.weight.view(-1, self.head_dim).float()).to(x.dtype)
 
 
-class HeadMix(nn.Module):
-    """MEA HLC: `A_k`, `A_v` `[nc, ng]`, replicated on every rank."""
+class VLLMHeadMix(nn.Module):
+    """MEA HLC: `A_k`, `A_v` `[nc, ng]`, replicated on every rank (vLLM's counterpart of
+    `layers.head_mix.HeadMix`; the weights load by the attribute name `head_mix`)."""
 
     def __init__(self, num_components, num_groups):
         super().__init__()
@@ -184,7 +185,7 @@ class VariantAttention(nn.Module):
         self.head_mix = self.head_norm = self.knock = None
         if variant == "mea":
             if variant_setting(config, "mea_hlc"):
-                self.head_mix = HeadMix(components, groups)
+                self.head_mix = VLLMHeadMix(components, groups)
             elif components != groups:
                 raise ValueError(
                     f"mea_num_kv_components ({components}) < num_key_value_heads ({groups}) "

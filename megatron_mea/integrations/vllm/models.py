@@ -204,20 +204,20 @@ class VariantForCausalLM(nn.Module):
         return AutoWeightsLoader(self).load_weights(weights)
 
 
-class Family:
-    """What differs between the families: the MLP block (and its attribute name), q/k/v
-    biases, q/k norms."""
+class VLLMFamily:
+    """What differs between the families in vLLM: the MLP block (and its attribute name), q/k/v
+    biases, q/k norms (the key maps of the conversions are `checkpoint.hf.families.Family`)."""
 
     def __init__(self, mlp, mlp_name="mlp", qkv_bias=False, qk_norm=False):
         self.mlp, self.mlp_name, self.qkv_bias, self.qk_norm = mlp, mlp_name, qkv_bias, qk_norm
 
 
 FAMILIES = {
-    "Llama": Family(_llama_mlp),
-    "Qwen2": Family(_qwen_mlp, qkv_bias=True),
-    "Qwen3": Family(_qwen_mlp, qk_norm=True),
-    "Qwen3Moe": Family(_qwen3_moe_mlp, qk_norm=True),
-    "Mixtral": Family(_mixtral_moe, mlp_name="block_sparse_moe"),
+    "Llama": VLLMFamily(_llama_mlp),
+    "Qwen2": VLLMFamily(_qwen_mlp, qkv_bias=True),
+    "Qwen3": VLLMFamily(_qwen_mlp, qk_norm=True),
+    "Qwen3Moe": VLLMFamily(_qwen3_moe_mlp, qk_norm=True),
+    "Mixtral": VLLMFamily(_mixtral_moe, mlp_name="block_sparse_moe"),
 }
 
 

@@ -46,18 +46,18 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from megatron_mea.checkpoint.checks import (
+from megatron_mea.checkpoint.torch_dist.checks import (
     TRACKER,
     checkpoint_dir,
     verify_checkpoint,
 )
-from megatron_mea.checkpoint.integrity import (
+from megatron_mea.checkpoint.torch_dist.integrity import (
     checkpoint_files,
     checksum_files,
     read_index,
     write_checksums,
 )
-from megatron_mea.checkpoint.megatron_io import (
+from megatron_mea.checkpoint.torch_dist.model_only import (
     MODEL_ONLY_LAYOUT,
     ConversionError,
     ModelDescription,
@@ -66,8 +66,8 @@ from megatron_mea.checkpoint.megatron_io import (
     resolve_checkpoint,
     tensor_entries,
 )
-from megatron_mea.checkpoint.megatron_lm_args import CHECKPOINT_VERSION, megatron_lm_arguments
-from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
+from megatron_mea.checkpoint.megatron_lm.writing import CHECKPOINT_VERSION, megatron_lm_arguments
+from megatron_mea.checkpoint.torch_dist.output_dir import check_new_directory, staged_directory
 from megatron_mea.files import atomic_write
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Dict
 
 import torch
 
-from megatron_mea.checkpoint.fold import fold_head_mix, fold_kha_linear
+from megatron_mea.checkpoint.transforms.fold import fold_head_mix, fold_kha_linear
 from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 
 _PLUGIN = re.compile(r"\.self_attention\.(head_mix|head_norm|knock)\.")

@@ -1,6 +1,6 @@
 """Checkpoints written by Megatron-LM's `pretrain_gpt.py`: the model and run of the arguments
-it saved (`RunArgs`, which `megatron_io.ModelDescription.load` makes a description of), and the
-types its common state may hold.
+it saved (`RunArgs`, which `torch_dist.model_only.ModelDescription.load` makes a description
+of), and the types its common state may hold.
 
 Megatron-LM's `save_checkpoint` (`--ckpt-format torch_dist`, tags core_v0.16.1 and core_v0.19.0)
 writes, per `generate_state_dict`::
@@ -37,13 +37,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megatron_mea.checkpoint.checks import (
+from megatron_mea.checkpoint.torch_dist.checks import (
     TRACKER,
     ConversionError,
     checkpoint_dir,
     latest_iteration,
 )
-from megatron_mea.checkpoint.safe_pickle import (
+from megatron_mea.checkpoint.torch_dist.safe_pickle import (
     MEGATRON_LM_ARGUMENT_CLASSES,
     MEGATRON_LM_ARGUMENT_CONTAINERS,
 )
@@ -232,7 +232,7 @@ def run_args_from_megatron_lm(args: argparse.Namespace, where: str) -> RunArgs:
 
 def megatron_lm_run_args(root: str) -> RunArgs:
     """The run arguments of the Megatron-LM checkpoint directory `root` (its latest iteration's
-    saved arguments); `megatron_io.ModelDescription.load` makes them a description.
+    saved arguments); `torch_dist.model_only.ModelDescription.load` makes them a description.
 
     Raises:
         ConversionError: not a checkpoint directory, no saved arguments, or arguments the

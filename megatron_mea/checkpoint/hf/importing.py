@@ -14,9 +14,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron_mea.checkpoint.dist_io import write_checkpoint
-from megatron_mea.checkpoint.hf_config import description_from_hf, split_model_type
-from megatron_mea.checkpoint.hf_families import (
+from megatron_mea.checkpoint.hf.config import description_from_hf, split_model_type
+from megatron_mea.checkpoint.torch_dist.layerwise import write_checkpoint
+from megatron_mea.checkpoint.hf.families import (
     VARIANT_PARAMS,
     Family,
     Layout,
@@ -24,16 +24,16 @@ from megatron_mea.checkpoint.hf_families import (
     family,
     model_rules,
 )
-from megatron_mea.checkpoint.hf_io import HFReader, has_tokenizer, load_hf_config
-from megatron_mea.checkpoint.megatron_io import (
+from megatron_mea.checkpoint.hf.files import HFReader, has_tokenizer, load_hf_config
+from megatron_mea.checkpoint.torch_dist.model_only import (
     ConversionError,
     ModelDescription,
     converter_process,
     expected_shapes,
     layer_of,
 )
-from megatron_mea.checkpoint.output_dir import check_new_directory
-from megatron_mea.checkpoint.variants import upcycle_init
+from megatron_mea.checkpoint.torch_dist.output_dir import check_new_directory
+from megatron_mea.checkpoint.transforms.plugin_params import upcycle_init
 
 logger = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ MEGATRON_LM_ARGUMENT_CONTAINERS = (argparse.Namespace, types.SimpleNamespace, pa
 # Classes of Megatron-Core (and the standard library) that Megatron-LM's saved arguments and
 # common state hold, at core_v0.16.1 and core_v0.19.0 (Megatron-Core's own
 # `dist_checkpointing.safe_globals` list): enum members, the optimizer config, the rerun state
-# machine's state. `megatron_lm_io` reads them as inert stand-ins, never importing them.
+# machine's state. `megatron_lm.reading` reads them as inert stand-ins, never importing them.
 MEGATRON_LM_ARGUMENT_CLASSES = (
     "megatron.core.transformer.enums.AttnBackend",
     "megatron.core.transformer.enums.CudaGraphScope",

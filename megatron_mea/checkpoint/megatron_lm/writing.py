@@ -4,7 +4,7 @@ Megatron-LM's `pretrain_gpt.py` reads a checkpoint's common state for its saved 
 `argparse.Namespace`: `load_args_from_checkpoint` with `--use-checkpoint-args`, and
 `load_checkpoint`'s checks, data position and what to load) and its `checkpoint_version`.
 `mea-pretrain` and `mea-convert import-hf` write both, so Megatron-LM continues from their
-checkpoints; `megatron_lm_io` reads them back (`run_args_from_megatron_lm`).
+checkpoints; `megatron_lm.reading` reads them back (`run_args_from_megatron_lm`).
 
 Light at import (argparse and the model declaration only): the trainer imports it.
 """

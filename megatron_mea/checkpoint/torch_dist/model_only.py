@@ -32,7 +32,7 @@ from megatron.core.dist_checkpointing.mapping import (
 from megatron.core.models.gpt import GPTModel
 from torch.overrides import TorchFunctionMode
 
-from megatron_mea.checkpoint.checks import (
+from megatron_mea.checkpoint.torch_dist.checks import (
     TRACKER,
     ConversionError,
     checkpoint_dir,
@@ -41,7 +41,7 @@ from megatron_mea.checkpoint.checks import (
     split_checkpoint_path,
     verify_checkpoint,
 )
-from megatron_mea.checkpoint.megatron_lm_io import common_state_types, megatron_lm_run_args
+from megatron_mea.checkpoint.megatron_lm.reading import common_state_types, megatron_lm_run_args
 from megatron_mea.files import atomic_write
 from megatron_mea.gpt import free_port, transformer_config
 from megatron_mea.model_args import MODEL_FIELDS, RunArgs, gpt_model_kwargs

@@ -18,8 +18,8 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
 from megatron_mea import compat
-from megatron_mea.checkpoint import integrity
-from megatron_mea.checkpoint.safe_pickle import UnsafePickleError
+from megatron_mea.checkpoint.torch_dist import integrity
+from megatron_mea.checkpoint.torch_dist.safe_pickle import UnsafePickleError
 from megatron_mea.model_args import TENSOR_FIELDS
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from megatron_mea.checkpoint.dist_io import read_checkpoint
-from megatron_mea.checkpoint.hf_config import (
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
+from megatron_mea.checkpoint.hf.config import (
     NATIVE_PREFIX,
     ROUTER_FIELDS,
     VARIANT_FIELDS,
@@ -32,17 +32,17 @@ from megatron_mea.checkpoint.hf_config import (
     non_stock_router,
     split_model_type,
 )
-from megatron_mea.checkpoint.hf_import import plan_rules, qkv_layout
-from megatron_mea.checkpoint.hf_io import HFWriter, copy_tokenizer, load_hf_config
-from megatron_mea.checkpoint.megatron_io import (
+from megatron_mea.checkpoint.hf.files import HFWriter, copy_tokenizer, load_hf_config
+from megatron_mea.checkpoint.hf.importing import plan_rules, qkv_layout
+from megatron_mea.checkpoint.torch_dist.model_only import (
     ConversionError,
     ModelDescription,
     converter_process,
     expected_shapes,
     layer_name,
 )
-from megatron_mea.checkpoint.output_dir import check_new_directory, staged_directory
-from megatron_mea.checkpoint.variants import fold_layer, foldable
+from megatron_mea.checkpoint.torch_dist.output_dir import check_new_directory, staged_directory
+from megatron_mea.checkpoint.transforms.plugin_params import fold_layer, foldable
 from megatron_mea.data.tokenizers import ByteLevelTokenizer
 from megatron_mea.variant import variant_settings
 

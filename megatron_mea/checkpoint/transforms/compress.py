@@ -23,9 +23,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron_mea.checkpoint.dist_io import read_checkpoint, write_checkpoint
-from megatron_mea.checkpoint.fold import fold_head_mix
-from megatron_mea.checkpoint.megatron_io import (
+from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint, write_checkpoint
+from megatron_mea.checkpoint.transforms.fold import fold_head_mix
+from megatron_mea.checkpoint.torch_dist.model_only import (
     ConversionError,
     SINGLE_PROCESS_LAYOUT,
     ModelDescription,
@@ -33,8 +33,8 @@ from megatron_mea.checkpoint.megatron_io import (
     converter_process,
     load_model_weights,
 )
-from megatron_mea.checkpoint.output_dir import check_new_directory
-from megatron_mea.checkpoint.variants import upcycle_init
+from megatron_mea.checkpoint.torch_dist.output_dir import check_new_directory
+from megatron_mea.checkpoint.transforms.plugin_params import upcycle_init
 from megatron_mea.ops.qkv_layout import fuse_qkv, unfuse_qkv
 
 logger = logging.getLogger(__name__)
@@ -357,28 +357,6 @@ class ProbeResult:
         for rank, (layer, increase) in enumerate(self.ranking(), start=1):
             lines.append(f"{rank:4d}  {layer:5d}  {self.layer_losses[layer]:.6f}  {increase:+.6f}")
         return "\n".join(lines)
-
-
-def load_tokens(data_prefix: str, seq_length: int, num_samples: int) -> torch.Tensor:
-    """`[num_samples, seq_length + 1]` token ids from a Megatron `.bin/.idx` dataset (documents
-    concatenated in order)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
-    dataset = IndexedDataset(data_prefix)
-    needed = num_samples * (seq_length + 1)
-    pieces, count = [], 0
-    for index in range(len(dataset)):
-        document = torch.as_tensor(dataset[index].astype("int64"))
-        pieces.append(document)
-        count += document.numel()
-        if count >= needed:
-            break
-    if count < needed:
-        raise ValueError(
-            f"{data_prefix}: {count} tokens, the probe needs {needed} "
-            f"({num_samples} x {seq_length + 1}); lower --num-samples or --seq-length"
-        )
-    return torch.cat(pieces)[:needed].view(num_samples, seq_length + 1)
 
 
 def _mean_loss(model, tokens: torch.Tensor, micro_batch_size: int) -> float:

@@ -17,8 +17,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from megatron_mea.checkpoint.hf_families import FAMILIES, Family, family
-from megatron_mea.checkpoint.megatron_io import ConversionError, ModelDescription
+from megatron_mea.checkpoint.hf.families import FAMILIES, Family, family
+from megatron_mea.checkpoint.torch_dist.model_only import ConversionError, ModelDescription
 from megatron_mea.data.tokenizers import ByteLevelTokenizer
 from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS, router_outside_stock
 from megatron_mea.model_args import RUN_FIELDS, RunArgs, derived_sizes

@@ -20,7 +20,11 @@ import re
 import zlib
 from typing import Dict, Iterable, Optional
 
-from megatron_mea.checkpoint.safe_pickle import check_pickle, check_torch_save, load_pickle
+from megatron_mea.checkpoint.torch_dist.safe_pickle import (
+    check_pickle,
+    check_torch_save,
+    load_pickle,
+)
 from megatron_mea.files import atomic_write
 
 logger = logging.getLogger(__name__)
