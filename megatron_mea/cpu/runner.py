@@ -5,9 +5,9 @@ megatron_mea.cpu SCRIPT ...``) runs SCRIPT as ``__main__`` with ``sys.argv = [SC
 and the script's folder first on ``sys.path``, as ``python SCRIPT`` would. Without CUDA it runs
 it inside :func:`megatron_mea.cpu.megatron_on_cpu` (Megatron-Core's patches P1-P9,
 `megatron_mea.cpu.megatron_core`), :func:`megatron_lm_on_cpu` (Megatron-LM's
-``megatron.training``, below) and :func:`megatron_mea.cpu.cuda_device_to_cpu` (every ``device="cuda"``, ``.cuda()`` and
-``.to("cuda")`` in Megatron-LM's loop stays on CPU). With CUDA it patches nothing and runs the
-script as is.
+``megatron.training``, below) and :func:`megatron_mea.cpu.cuda_device_to_cpu` (every
+``device="cuda"``, ``.cuda()`` and ``.to("cuda")`` in Megatron-LM's loop stays on CPU). With
+CUDA it patches nothing and runs the script as is.
 
 Paths are relative to a Megatron-LM checkout; "0.16" is tag ``core_v0.16.1``, "0.19" is
 ``core_v0.19.0``. Like ``megatron_on_cpu``, every patch is undone when the block ends, and each

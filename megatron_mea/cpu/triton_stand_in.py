@@ -20,7 +20,7 @@ kernels and a GPU in any case.
 """
 
 import types
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 __all__ = ["triton_modules"]
 
@@ -43,7 +43,7 @@ class _MissingKernel:
         raise RuntimeError(f"{self.__name__}(...): {_WHY}")
 
 
-def _jit(function: Callable = None, **options):
+def _jit(function: Optional[Callable] = None, **options):
     """``@triton.jit`` and ``@triton.jit(**options)`` (the options are ignored)."""
     if function is None:
         return _jit
