@@ -4,7 +4,7 @@
         --tokenizer-type ByteLevelTokenizer --append-eod
 
 Flags, output and exit status are mea-preprocess's (`--help`; `megatron_mea/cli/preprocess.py`).
-The package must be installed (`pip install -e .`): this script does not edit `sys.path`.
+The package must be installed (`pip install -e .`); the script finds it there.
 """
 
 import sys

@@ -4,8 +4,8 @@
     python tools/checkpoint/convert.py export-hf --load CKPT --save EXPORT --format native
 
 The subcommands, flags and exit status are mea-convert's (`--help`; `megatron_mea/cli/convert.py`),
-not Megatron-LM's loader/saver plugins. The package must be installed (`pip install -e .`): this
-script does not edit `sys.path`.
+not Megatron-LM's loader/saver plugins. The package must be installed (`pip install -e .`);
+the script finds it there.
 """
 
 import sys
