@@ -1,10 +1,11 @@
 """The package's import graph: the library never imports an application, and no module imports
 one that imports it back (directly or through others).
 
-Every `import` / `from ... import` of a `megatron_mea` module counts, at module level or inside
-a function (a lazy import is still a dependency); the block under `if __name__ == "__main__":`
-does not (it runs only as a script). Edges go to the module imported, or to its package where
-the name is not a module of its own.
+Every `import` / `from ... import` of a `megatron_mea` module counts: at module level, inside a
+function (a lazy import is still a dependency), under `if __name__ == "__main__":` and in a
+package's `__main__.py` (what `python -m` runs is a module like any other: a circle through it
+is still a circle). Edges go to the module imported, or to its package where the name is not a
+module of its own.
 """
 
 import ast
@@ -29,14 +30,8 @@ def _module_files():
     return modules
 
 
-def _is_main_guard(node) -> bool:
-    test = getattr(node, "test", None)
-    return (isinstance(node, ast.If) and isinstance(test, ast.Compare)
-            and isinstance(test.left, ast.Name) and test.left.id == "__name__")
-
-
 def _imported_names(tree):
-    pending = [node for node in tree.body if not _is_main_guard(node)]
+    pending = list(tree.body)
     while pending:
         node = pending.pop()
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -111,6 +106,7 @@ def test_the_graph_sees_the_package(graph):
     assert len(graph) > 100
     assert "megatron_mea.model_args" in graph["megatron_mea.gpt"]
     assert "megatron_mea.gpt" in graph["megatron_mea.training.loop"]
+    assert "megatron_mea.cpu.runner" in graph["megatron_mea.cpu.__main__"]
     assert is_application("megatron_mea.evaluation") and not is_application("megatron_mea.gpt")
 
 
@@ -123,6 +119,14 @@ def test_the_library_imports_no_application(graph):
 
 def test_no_module_imports_one_that_imports_it_back(graph):
     assert cycles(graph) == []
+
+
+def test_imports_under_the_main_guard_count():
+    tree = ast.parse('import os\n'
+                     'if __name__ == "__main__":\n'
+                     '    from megatron_mea.cpu.runner import main\n'
+                     '    main()\n')
+    assert "megatron_mea.cpu.runner" in set(_imported_names(tree))
 
 
 def test_a_cycle_would_be_found():

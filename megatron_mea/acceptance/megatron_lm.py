@@ -9,7 +9,7 @@ def megatron_lm_runs(runner) -> dict:
     `python -m megatron_mea.cpu` (`tests/integrations/test_megatron_lm_cpu.py`). On a GPU its
     start-up runs `make` to build Megatron's dataset helpers, and the megatron-core wheel carries
     the built helper but no Makefile; the runner's fix for that (L7 in
-    `megatron_mea/cpu_megatron_lm.py`) applies only without CUDA, so the step is not wired here.
+    `megatron_mea/cpu/runner.py`) applies only without CUDA, so the step is not wired here.
     """
     return {"ok": None, "not_available": "Megatron-LM's start-up would `make` the dataset "
                                           "helpers, which the megatron-core wheel cannot build "

@@ -94,7 +94,7 @@ def train(tree: Path, script: str, args: Sequence[str], iterations: Sequence[int
     env = dict(os.environ)
     env.update(
         PYTHONPATH=os.pathsep.join([str(tree), str(REPO), *filter(None, [env.get("PYTHONPATH")])]),
-        CUDA_DEVICE_MAX_CONNECTIONS="1",  # Megatron-LM's TP check (see megatron_mea/cpu_megatron_lm.py L6)
+        CUDA_DEVICE_MAX_CONNECTIONS="1",  # Megatron-LM's TP check (see megatron_mea/cpu/runner.py L6)
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
     )

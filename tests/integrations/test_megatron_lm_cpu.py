@@ -108,7 +108,7 @@ def test_launch_script_cpu_smoke_runs_the_entry_script(megatron_lm_tree):
 RUNNER_CHECK = '''
 import sys
 import torch
-from megatron_mea.cpu_megatron_lm import megatron_lm_on_cpu
+from megatron_mea.cpu.runner import megatron_lm_on_cpu
 with megatron_lm_on_cpu():  # imports megatron.training (at 0.16 without triton: L8)
     pass
 from megatron.core.datasets import utils as dataset_utils

@@ -366,11 +366,3 @@ def megatron_on_cpu() -> Iterator[bool]:
             yield True
         finally:
             _depth -= 1
-
-
-if __name__ == "__main__":
-    # `python -m megatron_mea.cpu SCRIPT [ARGS...]`: Megatron-LM's scripts on CPU
-    # (megatron_mea/cpu_megatron_lm.py).
-    from megatron_mea.cpu_megatron_lm import main
-
-    main()

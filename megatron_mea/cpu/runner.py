@@ -3,11 +3,11 @@
 ``python -m megatron_mea.cpu SCRIPT [ARGS...]`` (or ``torchrun --nproc-per-node N -m
 megatron_mea.cpu SCRIPT ...``) runs SCRIPT as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``
 and the script's folder first on ``sys.path``, as ``python SCRIPT`` would. Without CUDA it runs
-it inside :func:`megatron_mea.cpu.megatron_on_cpu` (Megatron-Core's patches P1-P9),
-:func:`megatron_lm_on_cpu` (Megatron-LM's ``megatron.training``, below) and
-:func:`megatron_mea.cpu.cuda_device_to_cpu` (every ``device="cuda"``, ``.cuda()`` and
-``.to("cuda")`` in Megatron-LM's loop stays on CPU). With CUDA it patches nothing and runs the
-script as is.
+it inside :func:`megatron_mea.cpu.megatron_on_cpu` (Megatron-Core's patches P1-P9,
+`megatron_mea.cpu.megatron_core`), :func:`megatron_lm_on_cpu` (Megatron-LM's
+``megatron.training``, below) and :func:`megatron_mea.cpu.cuda_device_to_cpu` (every
+``device="cuda"``, ``.cuda()`` and ``.to("cuda")`` in Megatron-LM's loop stays on CPU). With
+CUDA it patches nothing and runs the script as is.
 
 Paths are relative to a Megatron-LM checkout; "0.16" is tag ``core_v0.16.1``, "0.19" is
 ``core_v0.19.0``. Like ``megatron_on_cpu``, every patch is undone when the block ends, and each
@@ -49,11 +49,12 @@ L7 ``megatron.core.datasets.utils.compile_helpers`` skips ``make`` when the fold
    before, and then needs ``pybind11``.
 L8 (no attribute) at 0.16 only, ``megatron/core/transformer/custom_layers/
    batch_invariant_kernels.py:15`` imports ``triton`` unconditionally, and
-   ``megatron/training/initialize.py:25`` imports that module. When ``triton`` is not installed
-   the runner imports the module once with the stand-in that 0.19's own copy of it uses in the
-   same case (``batch_invariant_kernels.py:16-28`` there: ``MagicMock`` with ``jit`` a null
-   decorator), then removes the stand-in from ``sys.modules``. ``--batch-invariant-mode`` needs
-   real triton kernels (and a GPU) either way.
+   ``megatron/training/initialize.py:25`` imports that module. When that import fails for want
+   of ``triton``, the runner imports the module once more with
+   `megatron_mea.cpu.triton_stand_in` in ``sys.modules`` (the two names the import reads; a
+   kernel launched or another name read fails saying why), then removes the stand-in. 0.19
+   guards the import itself (``batch_invariant_kernels.py:16-28``), so it imports as it is.
+   ``--batch-invariant-mode`` needs real triton kernels (and a GPU) either way.
 """
 
 import builtins
@@ -69,7 +70,8 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from megatron_mea.cpu import _Patcher, cuda_device_to_cpu, megatron_on_cpu
+from megatron_mea.cpu.megatron_core import _Patcher, cuda_device_to_cpu, megatron_on_cpu
+from megatron_mea.cpu.triton_stand_in import triton_modules
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +88,7 @@ def _l1_allow_no_cuda(patch: _Patcher) -> None:
     defaults = list(patch.get(function, "__defaults__"))
     if "allow_no_cuda" not in names:
         raise AttributeError("initialize_megatron has no allow_no_cuda parameter: "
-                             "megatron_mea.cpu_megatron_lm must be updated for this Megatron-LM")
+                             "megatron_mea.cpu.runner must be updated for this Megatron-LM")
     # The defaults cover the last len(defaults) positional parameters.
     defaults[names.index("allow_no_cuda") - (len(names) - len(defaults))] = True
     patch.replace(function, "__defaults__", tuple(defaults))
@@ -187,17 +189,20 @@ _BATCH_INVARIANT = "megatron.core.transformer.custom_layers.batch_invariant_kern
 
 
 def _import_batch_invariant_without_triton() -> None:
-    """L8: import 0.16's batch_invariant_kernels with 0.19's own stand-in for a missing triton."""
+    """L8: import 0.16's batch_invariant_kernels with the triton stand-in if triton is missing."""
     if _BATCH_INVARIANT in sys.modules or importlib.util.find_spec("triton") is not None:
         return
-    from unittest.mock import MagicMock
-
-    from megatron.core.utils import null_decorator
-
-    stand_in = MagicMock()
-    stand_in.jit = null_decorator
-    saved = {name: sys.modules.get(name) for name in ("triton", "triton.language")}
-    sys.modules["triton"], sys.modules["triton.language"] = stand_in, MagicMock()
+    # Its package first, outside the try: the stand-in is for this one module's import only.
+    importlib.import_module(_BATCH_INVARIANT.rsplit(".", 1)[0])
+    try:
+        importlib.import_module(_BATCH_INVARIANT)  # 0.19: guarded, imports without triton
+        return
+    except ModuleNotFoundError as error:
+        if error.name != "triton":
+            raise
+    stand_ins = triton_modules()
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    sys.modules.update(stand_ins)
     try:
         importlib.import_module(_BATCH_INVARIANT)
     finally:
@@ -243,13 +248,14 @@ def run_script(script: str, args: List[str]) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"SCRIPT {script!r} does not exist ({USAGE})")
     code = compile(path.read_bytes(), str(path), "exec")
-    # The script's namespace is `__main__`, but its spec names this runner: processes that
-    # Megatron starts with multiprocessing's "spawn" (the checkpoint writer's result queue)
-    # then import the runner's module, not the script, which outside the patches can fail to
+    # The script's namespace is `__main__`, but its spec names the runner's `__main__.py`:
+    # processes that Megatron starts with multiprocessing's "spawn" (the checkpoint writer's
+    # result queue) then skip the main module, as for any `python -m package` (a name ending
+    # in `.__main__`), instead of importing the script, which outside the patches can fail to
     # import (L8) and would re-import all of Megatron-LM.
     main_module = types.ModuleType("__main__")
     main_module.__dict__.update(__file__=str(path), __builtins__=builtins,
-                                __spec__=importlib.util.find_spec("megatron_mea.cpu"))
+                                __spec__=importlib.util.find_spec("megatron_mea.cpu.__main__"))
     saved = sys.argv, list(sys.path), sys.modules["__main__"]
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.resolve().parent))
