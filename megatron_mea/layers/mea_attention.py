@@ -20,6 +20,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import deprecate_inference_params, divide, get_pg_rank
 
 from megatron_mea.layers.attention import _SplitSelfAttention
+from megatron_mea.layers.head_norm import HEAD_NORMED_PROJECTIONS
 from megatron_mea.layers.kv_cache import (
     CacheKind,
     DecodeStep,
@@ -67,6 +68,13 @@ def _check_matches_config(config, submodules) -> None:
             raise ValueError(
                 f"{field}={getattr(config, field)} but the spec's {name} is {piece!r}: build "
                 "the spec from this config (megatron_mea.specs)"
+            )
+    if submodules.head_norm is not None:
+        projection = submodules.linear_proj
+        if getattr(projection, "module", projection) not in HEAD_NORMED_PROJECTIONS.values():
+            raise ValueError(
+                f"the head norm runs inside linear_proj, so it must be a head-normed projection "
+                f"(head_normed_projection), got {projection!r}"
             )
 
 
@@ -125,9 +133,9 @@ class MEASelfAttention(_SplitSelfAttention):
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         """Arguments as `_SplitSelfAttention`'s (Megatron's `SelfAttention`)."""
+        _check_matches_config(config, submodules)
         # Megatron sizes linear_qkv from num_query_groups: its submodules are built from the
         # component view; `self.config` is the real one for everything downstream of HLC.
-        _check_matches_config(config, submodules)
         self.num_components = config.kv_components(layer_number)
         super().__init__(
             config,

@@ -133,6 +133,12 @@ def test_a_spec_built_for_another_config_is_refused(single_rank):
     with pytest.raises(ValueError, match="mea_head_norm=True but the spec's head_norm is None"):
         GPTModel(config=tiny_config("mea"), transformer_layer_spec=spec, vocab_size=96,
                  max_sequence_length=16)
+    spec = get_gpt_layer_spec(tiny_config("mea"), use_transformer_engine=False)
+    attention = spec.submodules.self_attention
+    attention.submodules = dataclasses.replace(attention.submodules, linear_proj=RowParallelLinear)
+    with pytest.raises(ValueError, match="must be a head-normed projection"):
+        GPTModel(config=tiny_config("mea"), transformer_layer_spec=spec, vocab_size=96,
+                 max_sequence_length=16)
 
 
 def _mlp_class(mlp_spec) -> type:
