@@ -13,7 +13,7 @@ uses Transformer Engine's own.
 """
 
 import dataclasses
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 from megatron.core.models.gpt import gpt_layer_specs as mcore_specs
 from megatron.core.post_training.modelopt.layers import Linear as DuplicatedLinear
@@ -26,8 +26,22 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_mea._optional import require
 from megatron_mea.compat import bind_te_general_gemm_without_te, legacy_grouped_gemm_kwargs
-from megatron_mea.layers import KHASelfAttention, MEASelfAttention
-from megatron_mea.layers.kha_mla import KHAMLASelfAttention, MLASDPADotProductAttention
+from megatron_mea.layers import (
+    HeadMix,
+    HeadRMSNorm,
+    KHASelfAttention,
+    KHASelfAttentionSubmodules,
+    KnockingHeads,
+    MEASelfAttention,
+    MEASelfAttentionSubmodules,
+    head_normed_projection,
+)
+from megatron_mea.layers.kha_mla import (
+    KHAMLASelfAttention,
+    KHAMLASelfAttentionSubmodules,
+    MLAKnockingHeads,
+    MLASDPADotProductAttention,
+)
 from megatron_mea.layers.sdpa_attention import SDPADotProductAttention
 
 _ATTENTION_MODULES = {"standard": SelfAttention, "mea": MEASelfAttention, "kha": KHASelfAttention}
@@ -59,29 +73,109 @@ class PerLayerSelfAttention:
     Megatron builds a layer's attention with its global `layer_number` whatever the pipeline
     layout, so choosing here (rather than by the position of a spec in a stage's list) stays
     right under PP, virtual PP and custom layouts. The object built is an instance of the chosen
-    class, never of this one."""
+    class, never of this one: `submodules` (`PerLayerSelfAttentionSubmodules`) holds the spec of
+    each class a layer may have, and this spec's `params` apply to every layer.
+
+    Why a class with a `__new__` rather than a spec per layer: Megatron-LM's dense path, `--spec`
+    and the MTP block share one layer spec between every layer of every pipeline stage, and only
+    the build call knows a layer's global number (`TransformerLayer` adds the stage's offset).
+    Megatron's `build_module` calls only classes (a function in a spec is returned uncalled, as
+    activation functions are), and a wrapper module would add a level to every checkpoint key."""
 
     def __new__(cls, config, submodules, layer_number, *args, **kwargs):
-        module = attention_module(config, layer_number)
-        return module(config, submodules, layer_number, *args, **kwargs)
+        spec = submodules.attentions[attention_module(config, layer_number)]
+        return spec.module(config, spec.submodules, layer_number, *args, **kwargs)
 
 
-def _swap_layer(layer_spec: ModuleSpec, module: type) -> ModuleSpec:
+@dataclasses.dataclass
+class PerLayerSelfAttentionSubmodules:
+    """The submodules of `PerLayerSelfAttention`.
+
+    Args:
+        attentions: attention class (as `attention_module(config, layer_number)` names it) ->
+            the spec of that layer kind, without params (the outer spec's apply).
+    """
+
+    attentions: Dict[type, ModuleSpec]
+
+
+def _fields(submodules) -> dict:
+    return {field.name: getattr(submodules, field.name) for field in dataclasses.fields(submodules)}
+
+
+def _standard_attention(attention: ModuleSpec, config) -> ModuleSpec:
+    return attention
+
+
+def _mea_attention(attention: ModuleSpec, config) -> ModuleSpec:
+    """MEA's spec from Megatron's `SelfAttention` spec: its submodules, HLC (`head_mix`, unless
+    `mea_hlc=False`) and the head norm (`head_norm`, run inside `linear_proj`)."""
+    fields = _fields(attention.submodules)
+    if config.mea_head_norm:
+        fields["linear_proj"] = head_normed_projection(fields["linear_proj"])
+    submodules = MEASelfAttentionSubmodules(
+        **fields,
+        head_mix=HeadMix if config.mea_hlc else None,
+        head_norm=HeadRMSNorm if config.mea_head_norm else None,
+    )
+    return dataclasses.replace(attention, module=MEASelfAttention, submodules=submodules)
+
+
+def _kha_attention(attention: ModuleSpec, config) -> ModuleSpec:
+    """KHA's spec from Megatron's `SelfAttention` spec: its submodules and `knock`."""
+    submodules = KHASelfAttentionSubmodules(**_fields(attention.submodules), knock=KnockingHeads)
+    return dataclasses.replace(attention, module=KHASelfAttention, submodules=submodules)
+
+
+def _kha_mla_attention(attention: ModuleSpec, config) -> ModuleSpec:
+    """KHA's spec from Megatron's `MLASelfAttention` spec: its submodules and `knock`."""
+    submodules = KHAMLASelfAttentionSubmodules(
+        **_fields(attention.submodules), knock=MLAKnockingHeads
+    )
+    return dataclasses.replace(attention, module=KHAMLASelfAttention, submodules=submodules)
+
+
+def _per_layer_attention(attention: ModuleSpec, config) -> ModuleSpec:
+    """`PerLayerSelfAttention`'s spec from Megatron's `SelfAttention` spec: the spec of each
+    class a layer has (MTP layers, numbered after the decoder's, take `attention_variant`)."""
+    numbers = range(1, config.num_layers + 2)
+    attentions = {}
+    for module in sorted({attention_module(config, n) for n in numbers}, key=lambda m: m.__name__):
+        spec = _ATTENTION_SPECS[module](attention, config)
+        attentions[module] = ModuleSpec(module=spec.module, submodules=spec.submodules)
+    submodules = PerLayerSelfAttentionSubmodules(attentions=attentions)
+    return dataclasses.replace(attention, module=PerLayerSelfAttention, submodules=submodules)
+
+
+# The class `attention_module` names -> its spec, built from Megatron's `SelfAttention` spec.
+_ATTENTION_SPECS = {
+    SelfAttention: _standard_attention,
+    MEASelfAttention: _mea_attention,
+    KHASelfAttention: _kha_attention,
+    PerLayerSelfAttention: _per_layer_attention,
+}
+# ... and from Megatron's `MLASelfAttention` spec (the config admits KHA only).
+_MLA_ATTENTION_SPECS = {KHASelfAttention: _kha_mla_attention}
+
+
+def _swap_layer(layer_spec: ModuleSpec, module: type, config) -> ModuleSpec:
     attention = layer_spec.submodules.self_attention
-    if attention.module in (MLASelfAttention, _MLA_MODULES.get(module)):
-        if module not in _MLA_MODULES:
+    if attention.module in (module, _MLA_MODULES.get(module)):
+        return layer_spec  # built for this variant already
+    if attention.module is MLASelfAttention:
+        if module not in _MLA_ATTENTION_SPECS:
             raise ValueError(f"{module.__name__} has no multi-latent attention counterpart")
-        module = _MLA_MODULES[module]
-    elif attention.module not in (SelfAttention, module, PerLayerSelfAttention):
+        attention = _MLA_ATTENTION_SPECS[module](attention, config)
+    elif attention.module is SelfAttention:
+        attention = _ATTENTION_SPECS[module](attention, config)
+    else:
         # Subclasses too (0.19's FusedMLASelfAttention fuses the down-projections with its own
         # state-dict layout): only the exact classes are known to keep their q/k/v path.
         raise ValueError(
             f"cannot apply an attention variant to {attention.module.__name__}: only Megatron's "
             "SelfAttention and MLASelfAttention are supported"
         )
-    submodules = dataclasses.replace(
-        layer_spec.submodules, self_attention=dataclasses.replace(attention, module=module)
-    )
+    submodules = dataclasses.replace(layer_spec.submodules, self_attention=attention)
     return dataclasses.replace(layer_spec, submodules=submodules)
 
 
@@ -99,7 +193,7 @@ def apply_attention_variant(
     module = attention_module(config)
     if module is SelfAttention:
         return spec
-    return _map_layers(spec, lambda layer_spec: _swap_layer(layer_spec, module))
+    return _map_layers(spec, lambda layer_spec: _swap_layer(layer_spec, module, config))
 
 
 def _map_layers(spec, swap):

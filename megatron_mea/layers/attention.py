@@ -10,12 +10,13 @@ local query heads, `nc_loc` / `ng_loc` local component / composite K/V heads, `h
 """
 
 import dataclasses
+from typing import Union
 
 import torch
-from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from megatron_mea.layers.knock import KnockingHeads
 from megatron_mea.ops.qkv_layout import unfuse_qkv
 
 
@@ -131,14 +132,32 @@ class _SplitSelfAttention(SelfAttention):
         return unfuse_qkv(mixed_qkv, heads, groups, hn, dim=-1)
 
 
+@dataclasses.dataclass
+class KHASelfAttentionSubmodules(SelfAttentionSubmodules):
+    """Megatron's self-attention submodules plus KHA's transforms, as the spec builds them
+    (`megatron_mea.specs`).
+
+    Args:
+        knock: the Q/K/V transforms (`KnockingHeads`), built with `(config, tp_group)`.
+    """
+
+    knock: Union[ModuleSpec, type, None] = None
+
+
 class KHASelfAttention(_SplitSelfAttention):
     """Knocking-heads attention: `knock` transforms Q/K/V right after the split, before the q/k
     norms and RoPE (so KHA-Linear folds into `linear_qkv`)."""
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
-        """Arguments as `_SplitSelfAttention`'s (Megatron's `SelfAttention`)."""
+        """Arguments as `_SplitSelfAttention`'s (Megatron's `SelfAttention`); `submodules` a
+        `KHASelfAttentionSubmodules`."""
+        if getattr(submodules, "knock", None) is None:
+            raise TypeError(
+                "KHASelfAttention takes KHASelfAttentionSubmodules with a knock module, got "
+                f"{type(submodules).__name__}: build its spec with megatron_mea.specs"
+            )
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        self.knock = KnockingHeads(config, self.tp_group)
+        self.knock = build_module(submodules.knock, config, self.tp_group)
         if config.kha_fold_linear:
             self._enable_folded_projection()
 

@@ -34,9 +34,14 @@ Shape legend: `s` sequence (full, also under SP), `b` batch (packed `thd` inputs
 """
 
 from dataclasses import dataclass
+from typing import Union
 
 import torch
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.multi_latent_attention import (
+    MLASelfAttention,
+    MLASelfAttentionSubmodules,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_mea.config import MEATransformerConfig
@@ -110,17 +115,36 @@ class MLAKnockingHeads(torch.nn.Module):
         return query, key, value
 
 
+@dataclass
+class KHAMLASelfAttentionSubmodules(MLASelfAttentionSubmodules):
+    """Megatron's MLA submodules plus KHA's transforms, as the spec builds them
+    (`megatron_mea.specs`).
+
+    Args:
+        knock: the content-channel transforms (`MLAKnockingHeads`), built with `(config,
+            tp_group)`.
+    """
+
+    knock: Union[ModuleSpec, type, None] = None
+
+
 class KHAMLASelfAttention(MLASelfAttention):
     """Megatron's `MLASelfAttention` with KHA-Linear (`knock`) on the up-projected heads.
 
     Keeps every submodule, state-dict name and tensor-parallel layout of `MLASelfAttention`; the
-    new parameters live in the child module `knock` (`MLAKnockingHeads`)."""
+    new parameters live in the child module `knock` (its `KHAMLASelfAttentionSubmodules` field,
+    an `MLAKnockingHeads`)."""
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         # args / kwargs: Megatron's own (attn_mask_type, cp_comm_type, pg_collection, and in
         # newer releases pp_layer_offset, name), passed through unchanged.
+        if getattr(submodules, "knock", None) is None:
+            raise TypeError(
+                "KHAMLASelfAttention takes KHAMLASelfAttentionSubmodules with a knock module, "
+                f"got {type(submodules).__name__}: build its spec with megatron_mea.specs"
+            )
         super().__init__(config, submodules, layer_number, *args, **kwargs)
-        self.knock = MLAKnockingHeads(config, self.tp_group)
+        self.knock = build_module(submodules.knock, config, self.tp_group)
 
     def get_query_key_value_tensors(self, hidden_states, *args, **kwargs):
         """Megatron's MLA projections and RoPE, then KHA on the content channels.

@@ -8,18 +8,19 @@ local query heads, `nc_loc` / `ng_loc` local component / composite K/V heads, `h
 import copy
 import dataclasses
 import logging
+from typing import Union
 
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
     _yarn_get_concentration_factor_from_config,
 )
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.utils import deprecate_inference_params, divide, get_pg_rank
 
 from megatron_mea.layers.attention import _SplitSelfAttention
-from megatron_mea.layers.head_mix import HeadMix
-from megatron_mea.layers.head_norm import HeadRMSNorm, head_normed
+from megatron_mea.layers.head_norm import HEAD_NORMED_PROJECTIONS
 from megatron_mea.layers.kv_cache import (
     CacheKind,
     DecodeStep,
@@ -35,20 +36,46 @@ from megatron_mea.parallel import ExchangeShape, choose_exchange, gather_feature
 logger = logging.getLogger(__name__)
 
 
-def _with_head_normed_projection(submodules):
-    """`submodules` whose `linear_proj` (a class or a `ModuleSpec` of one) runs the head norm
-    first (`head_norm.head_normed`)."""
-    projection = submodules.linear_proj
-    if isinstance(projection, ModuleSpec):
-        projection = dataclasses.replace(projection, module=head_normed(projection.module))
-    elif isinstance(projection, type):
-        projection = head_normed(projection)
-    else:
-        raise ValueError(
-            f"mea_head_norm=True needs linear_proj given as a class or a ModuleSpec, got "
-            f"{projection!r}"
+@dataclasses.dataclass
+class MEASelfAttentionSubmodules(SelfAttentionSubmodules):
+    """Megatron's self-attention submodules plus MEA's pieces, as the spec builds them
+    (`megatron_mea.specs`). With the head norm, `linear_proj` is the spec's row-parallel linear
+    with the norm first (`head_norm.head_normed_projection`).
+
+    Args:
+        head_mix: HLC over the K/V heads (`HeadMix`), built with `(config, tp_group,
+            num_components)`; None for the head-norm-only control (`mea_hlc=False`).
+        head_norm: the per-head RMS norm of the output (`HeadRMSNorm`), built with `(config,
+            tp_group)`; None without it (`mea_head_norm=False`).
+    """
+
+    head_mix: Union[ModuleSpec, type, None] = None
+    head_norm: Union[ModuleSpec, type, None] = None
+
+
+def _check_matches_config(config, submodules) -> None:
+    """The spec's pieces are those `config` describes (the HF export, the size accounting and
+    the checkpoint checks read the config)."""
+    if not isinstance(submodules, MEASelfAttentionSubmodules):
+        raise TypeError(
+            f"MEASelfAttention takes MEASelfAttentionSubmodules, got {type(submodules).__name__}: "
+            "build its spec with megatron_mea.specs (get_gpt_layer_spec, apply_attention_variant)"
         )
-    return dataclasses.replace(submodules, linear_proj=projection)
+    pieces = {"mea_hlc": ("head_mix", submodules.head_mix),
+              "mea_head_norm": ("head_norm", submodules.head_norm)}
+    for field, (name, piece) in pieces.items():
+        if bool(getattr(config, field)) != (piece is not None):
+            raise ValueError(
+                f"{field}={getattr(config, field)} but the spec's {name} is {piece!r}: build "
+                "the spec from this config (megatron_mea.specs)"
+            )
+    if submodules.head_norm is not None:
+        projection = submodules.linear_proj
+        if getattr(projection, "module", projection) not in HEAD_NORMED_PROJECTIONS.values():
+            raise ValueError(
+                f"the head norm runs inside linear_proj, so it must be a head-normed projection "
+                f"(head_normed_projection), got {projection!r}"
+            )
 
 
 def component_view(config, num_components):
@@ -106,11 +133,10 @@ class MEASelfAttention(_SplitSelfAttention):
 
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         """Arguments as `_SplitSelfAttention`'s (Megatron's `SelfAttention`)."""
+        _check_matches_config(config, submodules)
         # Megatron sizes linear_qkv from num_query_groups: its submodules are built from the
         # component view; `self.config` is the real one for everything downstream of HLC.
         self.num_components = config.kv_components(layer_number)
-        if config.mea_head_norm:
-            submodules = _with_head_normed_projection(submodules)
         super().__init__(
             config,
             submodules,
@@ -133,8 +159,10 @@ class MEASelfAttention(_SplitSelfAttention):
         # fold either; the `activations` path then skips the mixing (`mix_heads`).
         self.head_mix = None
         self.exchange = "activations"
-        if config.mea_hlc:
-            self.head_mix = HeadMix(config, self.tp_group, self.num_components)
+        if submodules.head_mix is not None:
+            self.head_mix = build_module(
+                submodules.head_mix, config, self.tp_group, self.num_components
+            )
             # The k norm before the mix does not fold into the weights (`auto` -> activations;
             # the config refuses `weights`).
             if not config.mea_key_norm_before_mix:
@@ -151,8 +179,8 @@ class MEASelfAttention(_SplitSelfAttention):
         if self.exchange != "activations":
             self._enable_folded_projection()
         self.head_norm = None
-        if config.mea_head_norm:
-            self.head_norm = HeadRMSNorm(config, self.tp_group)
+        if submodules.head_norm is not None:
+            self.head_norm = build_module(submodules.head_norm, config, self.tp_group)
             self.linear_proj.use_head_norm(self.head_norm)
         self.has_key_norm = not isinstance(self.k_layernorm, (IdentityOp, type(None)))
         self.key_norm_factors = rms_factors(self.k_layernorm) if self.has_key_norm else None
