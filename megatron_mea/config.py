@@ -109,14 +109,6 @@ class MEATransformerConfig(AttentionVariantFields, TransformerConfig):
                 f"'standard' or attention_variant ({self.attention_variant!r})"
             )
 
-    def variant_of(self, layer_number: int) -> str:
-        """The attention variant of layer `layer_number` (1-based, global, as Megatron numbers
-        layers; MTP layers, numbered after the decoder's, take `attention_variant`)."""
-        per_layer = self.attention_variant_per_layer
-        if per_layer is None or not 1 <= layer_number <= len(per_layer):
-            return self.attention_variant
-        return per_layer[layer_number - 1]
-
     def _check_head_counts(self):
         # Megatron accepts these and fails later inside a layer constructor.
         np_, ng = self.num_attention_heads, self.num_query_groups

@@ -8,12 +8,13 @@ checkpoint's model is the same model whoever builds it.
 
 import os
 from datetime import timedelta
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
+from torch.overrides import TorchFunctionMode
 
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import init_cpu_rng_tracker
@@ -25,15 +26,19 @@ __all__ = ["build_model", "free_port", "initialize", "transformer_config"]
 
 
 def transformer_config(
-    args: RunArgs, world_size: int = 1, on_gpu: Optional[bool] = None
+    args: RunArgs, world_size: int = 1, on_gpu: Optional[bool] = None, *, meta: bool = False
 ) -> MEATransformerConfig:
     """Translate the run's arguments into an `MEATransformerConfig` (validates the variant).
+
+    Build it once per run or conversion and pass it down: every construction validates again.
 
     Args:
         args: the run's arguments.
         world_size: the number of processes.
         on_gpu: pick the fusions for a CUDA run (see `megatron_mea.fusions`). Default: whether
             CUDA is available; tests pass True to build a GPU run's exact configuration on CPU.
+        meta: for a model on the meta device (`build_model(..., placement="meta")`): CPU
+            initialisation that draws no weights. Default: False.
     """
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     architecture = config_fields(args)
@@ -52,19 +57,62 @@ def transformer_config(
         fp8_recipe=args.fp8_recipe,
         **fusion_settings(on_gpu, architecture["normalization"]),
     )
+    if meta:
+        fields.update(use_cpu_initialization=True, perform_initialization=False)
     return MEATransformerConfig(**fields)
 
 
+class _AllOnMeta(TorchFunctionMode):
+    """Every tensor made or moved inside goes to the meta device, whatever device is named.
+
+    `torch.device("meta")` alone only covers factory calls without a device; some modules build
+    a small init on CPU and move it (`init.to(device=...)`), which fails for a meta init.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = "meta"
+        if func is torch.Tensor.to:
+            args = tuple("meta" if isinstance(a, (str, torch.device)) else a for a in args)
+        return func(*args, **kwargs)
+
+
 def build_model(
-    args: RunArgs, config: MEATransformerConfig, pre_process, post_process, vp_stage=None
+    args: RunArgs,
+    config: MEATransformerConfig,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: Optional[int] = None,
+    *,
+    core_attention: Optional[str] = None,
+    placement: Literal["run", "built", "meta"] = "run",
 ):
     """The GPT model of this pipeline stage (of its model chunk `vp_stage` with virtual pipeline
-    stages), with the plugin's block spec."""
+    stages), with the plugin's block spec: the one GPT builder of the plugin's tools (training,
+    inference, the converters, the benchmarks).
+
+    Args:
+        args: the model (`gpt_model_kwargs`) and its layer implementation (`transformer_impl`).
+        config: `transformer_config(args)` (`meta=True` for `placement="meta"`).
+        pre_process: this stage holds the embedding. Default: True.
+        post_process: this stage holds the output layer. Default: True.
+        vp_stage: the model chunk. Default: None (no virtual pipeline).
+        core_attention: the local spec's core attention. Default: `args.core_attention`.
+        placement: `run` (the run's device: the current CUDA device when there is one, in
+            Megatron's `Float16Module` for bf16; training and inference), `built` (where
+            Megatron builds it, unwrapped; the converters and the benchmarks) or `meta` (on the
+            meta device, unwrapped: keys and shapes with no memory for the weights).
+            Default: `run`.
+    """
     use_te = args.transformer_impl == "transformer_engine"
     spec = get_gpt_decoder_block_spec(
-        config, use_transformer_engine=use_te, vp_stage=vp_stage, core_attention=args.core_attention
+        config,
+        use_transformer_engine=use_te,
+        vp_stage=vp_stage,
+        core_attention=core_attention or args.core_attention,
     )
-    model = GPTModel(
+    kwargs = dict(
         config=config,
         transformer_layer_spec=spec,
         **gpt_model_kwargs(args),
@@ -72,7 +120,11 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
     )
-    if torch.cuda.is_available():
+    if placement == "meta":
+        with torch.device("meta"), _AllOnMeta():
+            return GPTModel(**kwargs)
+    model = GPTModel(**kwargs)
+    if placement == "run" and torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
         if args.bf16:
             from megatron.core.transformer.module import Float16Module

@@ -25,7 +25,7 @@ Pure Python at import (torch only inside `config_fields`), so that every tool ca
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional, Union
+from typing import List, Literal, Optional, Tuple, Union
 
 from megatron_mea.variant import AttentionVariantFields
 
@@ -231,6 +231,25 @@ def derived_sizes(model: ModelArgs) -> dict:
         moe_ffn_hidden_size=(model.moe_ffn_hidden_size or ffn) if model.num_experts else None,
         max_position_embeddings=model.max_position_embeddings or model.seq_length,
     )
+
+
+def moe_layers(model: ModelArgs) -> Tuple[bool, ...]:
+    """Per 0-based layer of `model` (any object with the `ModelArgs` fields), whether it is an MoE
+    layer: the one answer, for the size accounting and the converters. None without experts;
+    else Megatron-Core's rule for `moe_layer_freq`: an int N makes every N-th layer MoE, starting
+    with layer 0; a list gives one 0/1 entry per layer."""
+    if not model.num_experts:
+        return (False,) * model.num_layers
+    return moe_layers_of_freq(model.moe_layer_freq, model.num_layers)
+
+
+def moe_layers_of_freq(
+    moe_layer_freq: Union[int, List[int]], num_layers: int
+) -> Tuple[bool, ...]:
+    """`moe_layers`' rule on `moe_layer_freq` alone (for a config that has experts)."""
+    if isinstance(moe_layer_freq, int):
+        return tuple(layer % moe_layer_freq == 0 for layer in range(num_layers))
+    return tuple(bool(entry) for entry in moe_layer_freq)
 
 
 def config_fields(model: ModelArgs) -> dict:

@@ -31,7 +31,7 @@ import dataclasses
 import typing
 from typing import Union
 
-from megatron_mea.model_args import ModelArgs, derived_sizes
+from megatron_mea.model_args import ModelArgs, derived_sizes, moe_layers
 from megatron_mea.variant import KHA_MATRICES
 
 
@@ -69,15 +69,10 @@ class ModelShape(ModelArgs):
             kwargs.pop("num_query_groups", None)
         return cls(**kwargs)
 
-    def layer_variant(self, layer: int) -> str:
-        """The attention variant of 0-based `layer`."""
-        per_layer = self.attention_variant_per_layer
-        return per_layer[layer] if per_layer else self.attention_variant
-
     def kv_heads(self, layer: int) -> int:
         """K/V heads `linear_qkv` of 0-based `layer` produces and the cache holds: `nc` for MEA,
         else `ng`."""
-        if self.layer_variant(layer) != "mea":
+        if self.variant_of(layer + 1) != "mea":
             return self.num_query_groups
         per_layer = self.mea_num_kv_components_per_layer
         return per_layer[layer] if per_layer else self.mea_num_kv_components
@@ -89,13 +84,8 @@ class ModelShape(ModelArgs):
         return heads[0] if len(set(heads)) == 1 else heads
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether 0-based `layer` is an MoE layer under `moe_layer_freq` (Megatron's rule)."""
-        if not self.num_experts:
-            return False
-        if isinstance(self.moe_layer_freq, int):
-            return layer % self.moe_layer_freq == 0
-        return bool(self.moe_layer_freq[layer])
-
+        """Whether 0-based `layer` is an MoE layer (`megatron_mea.model_args.moe_layers`)."""
+        return moe_layers(self)[layer]
 
 def _norm(shape: ModelShape, width: int) -> int:
     return width if shape.normalization == "RMSNorm" else 2 * width
@@ -112,7 +102,7 @@ def attention_params(shape: ModelShape, layer: int = 0) -> dict:
     `extra`."""
     h, np_, hn, ng, nkv = (shape.hidden_size, shape.num_attention_heads, shape.kv_channels,
                            shape.num_query_groups, shape.kv_heads(layer))
-    variant = shape.layer_variant(layer)
+    variant = shape.variant_of(layer + 1)
     qkv_out = (np_ + 2 * nkv) * hn
     matmul = h * qkv_out + np_ * hn * h
     extra = _norm(shape, h)  # input layernorm (fused into linear_qkv with TE)
@@ -132,7 +122,7 @@ def attention_params(shape: ModelShape, layer: int = 0) -> dict:
 def variant_forward_flops(shape: ModelShape, layer: int = 0) -> int:
     """Forward FLOPs per token of 0-based `layer`'s variant ops (HLC or KHA matmuls)."""
     hn, np_, ng = shape.kv_channels, shape.num_attention_heads, shape.num_query_groups
-    variant = shape.layer_variant(layer)
+    variant = shape.variant_of(layer + 1)
     if variant == "mea":
         return 2 * 2 * shape.kv_heads(layer) * ng * hn if shape.mea_hlc else 0
     if variant == "kha":
@@ -182,7 +172,7 @@ def kv_cache_elements(shape: ModelShape, layer: int = 0) -> int:
     bias do not factor out of the mix) makes it cache the `ng` composites instead. Every other
     layer caches its `ng` K/V heads."""
     hn, ng, nkv = shape.kv_channels, shape.num_query_groups, shape.kv_heads(layer)
-    if shape.layer_variant(layer) != "mea" or nkv == ng:
+    if shape.variant_of(layer + 1) != "mea" or nkv == ng:
         return 2 * ng * hn
     if not shape.qk_layernorm:
         return 2 * nkv * hn

@@ -43,6 +43,7 @@ from megatron_mea.layers.kha_mla import (
     MLASDPADotProductAttention,
 )
 from megatron_mea.layers.sdpa_attention import SDPADotProductAttention
+from megatron_mea.variant import AttentionVariantFields
 
 _ATTENTION_MODULES = {"standard": SelfAttention, "mea": MEASelfAttention, "kha": KHASelfAttention}
 # Megatron's MLA module -> the variant's MLA counterpart (the config admits KHA only).
@@ -55,15 +56,16 @@ _MLA_CORE_ATTENTIONS = {SDPADotProductAttention: MLASDPADotProductAttention}
 
 def attention_module(config, layer_number: Optional[int] = None) -> type:
     """The self-attention class of `config`'s variant (plain configs: `SelfAttention`): of layer
-    `layer_number` (1-based, global) when given, else the class a spec of all layers holds
-    (`PerLayerSelfAttention` where the layers differ)."""
-    per_layer = getattr(config, "attention_variant_per_layer", None)
-    if layer_number is not None and per_layer:
+    `layer_number` (1-based, global; `variant_of` answers which variant) when given, else the
+    class a spec of all layers holds (`PerLayerSelfAttention` where the layers differ)."""
+    if not isinstance(config, AttentionVariantFields):  # a plain TransformerConfig
+        return SelfAttention
+    if layer_number is not None:
         return _ATTENTION_MODULES[config.variant_of(layer_number)]
-    if per_layer and len(set(per_layer)) > 1:
+    variants = config.variants_in_use()
+    if len(variants) > 1:
         return PerLayerSelfAttention
-    variant = per_layer[0] if per_layer else getattr(config, "attention_variant", "standard")
-    return _ATTENTION_MODULES[variant]
+    return _ATTENTION_MODULES[variants.pop()]
 
 
 class PerLayerSelfAttention:

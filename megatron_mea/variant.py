@@ -106,6 +106,16 @@ class AttentionVariantFields:
     once, instead of transforming the projected heads (an exact reparametrisation of the same
     computation, without the per-token matmuls)."""
 
+    def variant_of(self, layer_number: int) -> str:
+        """The attention variant of layer `layer_number`: the one answer, for the config, the
+        specs, the size accounting and the converters. 1-based and global, as Megatron numbers
+        layers (0-based callers pass `layer + 1`); MTP layers, numbered after the decoder's, take
+        `attention_variant`."""
+        per_layer = self.attention_variant_per_layer
+        if per_layer is None or not 1 <= layer_number <= len(per_layer):
+            return self.attention_variant
+        return per_layer[layer_number - 1]
+
     def variants_in_use(self) -> set:
         """The variants some layer uses."""
         return set(self.attention_variant_per_layer or (self.attention_variant,))

@@ -17,33 +17,50 @@ VARIANTS = {
 }
 
 
+def model_args(args, variant, num_layers=1, core_attention="megatron"):
+    """The benchmarked model as a `RunArgs`: a dense GELU GPT with RMSNorm and q/k norms, no
+    biases, `variant`'s attention, and the vocabulary unpadded."""
+    from megatron_mea.model_args import RunArgs
+
+    return RunArgs(
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        seq_length=args.seq_length,
+        swiglu=False,
+        num_experts=None,
+        vocab_size=args.vocab_size,
+        make_vocab_size_divisible_by=1,
+        untie_embeddings_and_output_weights=True,
+        bf16=args.bf16,
+        transformer_impl="transformer_engine" if args.transformer_engine else "local",
+        core_attention=core_attention,
+        **VARIANTS[variant],
+    )
+
+
 def make_config(args, variant, tp=1, num_layers=1):
+    """The benchmarked model's `MEATransformerConfig`: its architecture through
+    `model_args.config_fields`, at TP `tp` (with SP), every fusion off."""
     from megatron_mea import MEATransformerConfig
+    from megatron_mea.model_args import config_fields
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return MEATransformerConfig(
-        num_layers=num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        normalization="RMSNorm",
-        qk_layernorm=True,
-        add_bias_linear=False,
+        **config_fields(model_args(args, variant, num_layers)),
         tensor_model_parallel_size=tp,
         sequence_parallel=tp > 1,
         params_dtype=dtype,
         bf16=args.bf16,
         pipeline_dtype=dtype,
         use_cpu_initialization=args.device == "cpu",
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        **VARIANTS[variant],
     )
 
 
@@ -60,18 +77,14 @@ def build_layer(args, variant, tp=1, core_attention="megatron"):
 
 
 def build_model(args, variant, core_attention="megatron"):
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_mea import get_gpt_decoder_block_spec
+    """The benchmarked GPT (`megatron_mea.gpt.build_model`) on `args.device`, fold cache on."""
+    from megatron_mea import gpt
     from megatron_mea.layers import enable_fold_cache
 
     torch.manual_seed(args.seed)
     config = make_config(args, variant, num_layers=args.model_layers)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_engine,
-                                      core_attention=core_attention)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.vocab_size,
-                     max_sequence_length=args.seq_length, position_embedding_type="rope")
-    model = model.to(args.device)
+    run = model_args(args, variant, args.model_layers, core_attention)
+    model = gpt.build_model(run, config, placement="built").to(args.device)
     enable_fold_cache(model)
     return model
 

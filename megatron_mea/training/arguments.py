@@ -182,8 +182,13 @@ def parse_args(argv: Optional[List[str]] = None) -> PretrainArgs:
     return args
 
 
-def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
-    """Check everything that can be checked before launch; ValueError names the flag."""
+def validate(args: PretrainArgs, world_size: Optional[int] = None):
+    """Check everything that can be checked before launch; ValueError names the flag.
+
+    Returns:
+        The run's `MEATransformerConfig`, built to validate the architecture and the variant
+        (a caller that builds the model can pass it down instead of building another).
+    """
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     _validate_choices(args)
     _validate_run_inputs(args)
@@ -269,7 +274,7 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
     # The model config validates the architecture and the variant fields (without any process).
     from megatron_mea.gpt import transformer_config
 
-    transformer_config(args, world_size=world_size)
+    config = transformer_config(args, world_size=world_size)
     # After the architecture's own checks (a head count TP cannot split is the first thing to
     # fix); Megatron-Core's MoE layer refuses this only at the first training forward.
     if args.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
@@ -278,6 +283,7 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None) -> None:
             f"({args.tensor_model_parallel_size}) > 1 needs sequence_parallel "
             "(--sequence-parallel), as Megatron-LM requires"
         )
+    return config
 
 
 def _validate_run_inputs(args: PretrainArgs) -> None:

@@ -21,7 +21,7 @@ from megatron_mea.checkpoint.hf.families import FAMILIES, Family, family
 from megatron_mea.checkpoint.torch_dist.model_only import ConversionError, ModelDescription
 from megatron_mea.data.tokenizers import ByteLevelTokenizer
 from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS, router_outside_stock
-from megatron_mea.model_args import RUN_FIELDS, RunArgs, derived_sizes
+from megatron_mea.model_args import RUN_FIELDS, RunArgs, derived_sizes, moe_layers_of_freq
 from megatron_mea.variant import fields_of_scope
 
 NATIVE_PREFIX = "megatron_mea_"
@@ -59,18 +59,10 @@ def non_stock_router(config) -> Optional[Tuple[str, object]]:
     return router_outside_stock(config)
 
 
-def _moe_pattern(config) -> List[int]:
-    """Per layer, 1 for an MoE layer (`moe_layer_freq` as an int "1 in N" or a 0/1 list)."""
-    pattern = config.moe_layer_freq
-    if isinstance(pattern, int):
-        pattern = [int(i % pattern == 0) for i in range(config.num_layers)]
-    return pattern
-
-
 def mixtral_cannot_say(config) -> Optional[str]:
     """Why Mixtral (an MoE block in every layer, softmax over the top-k logits) cannot express
     the MoE model of `config` (an `MEATransformerConfig`): the setting and its value, or None."""
-    if not all(_moe_pattern(config)):
+    if not all(moe_layers_of_freq(config.moe_layer_freq, config.num_layers)):
         return f"moe_layer_freq ({config.moe_layer_freq})"
     if config.moe_router_pre_softmax:
         return "moe_router_pre_softmax (True)"
@@ -324,9 +316,10 @@ def description_from_hf(
     return description
 
 
-def _family_for(description: ModelDescription) -> Family:
-    """The family of a model trained from scratch (no HF config to follow)."""
-    args, config = description.args, description.transformer_config(meta=True)
+def _family_for(description: ModelDescription, config) -> Family:
+    """The family of a model trained from scratch (no HF config to follow); `config`: its
+    `transformer_config(meta=True)`."""
+    args = description.args
     if config.add_qkv_bias:
         return FAMILIES["qwen2"]
     if args.num_experts:
@@ -335,16 +328,16 @@ def _family_for(description: ModelDescription) -> Family:
     return FAMILIES["qwen3" if args.qk_layernorm else "llama"]
 
 
-def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
-    """The family and the stock HF config fields of the model of `description`.
+def hf_config_dict(description: ModelDescription, config) -> Tuple[Family, Dict]:
+    """The family and the stock HF config fields of the model of `description` (`config`: its
+    `transformer_config(meta=True)`).
 
     Starts from the imported HF config when there is one; every size the Megatron model fixes is
     (re)written from it, and a family that cannot express the model is refused.
     """
-    config = description.transformer_config(meta=True)
     args = description.args
     template = dict(description.hf_config or {})
-    fam = family(template["model_type"]) if template else _family_for(description)
+    fam = family(template["model_type"]) if template else _family_for(description, config)
     for name, value, wanted in (
         ("swiglu", args.swiglu, True),
         ("normalization", config.normalization, "RMSNorm"),
@@ -392,7 +385,7 @@ def hf_config_dict(description: ModelDescription) -> Tuple[Family, Dict]:
     template.pop("rope_scaling", None)
     template["rope_parameters"] = rope_parameters(args, theta)
     if fam.moe is not None:
-        pattern = _moe_pattern(config)
+        pattern = moe_layers_of_freq(config.moe_layer_freq, config.num_layers)
         template.update(num_experts_per_tok=config.moe_router_topk)
         if fam.name == "qwen3_moe":
             template.update(

@@ -199,7 +199,7 @@ def export_hf_checkpoint(
     reference_fields = _reference_config(reference) if reference else None
     if reference_fields:
         description.hf_config = reference_fields
-    config = description.transformer_config(meta=True)
+    config = description.transformer_config(meta=True)  # the one of this export, passed down
     fmt = choose_format(config, format)
     for name in ("mea_num_kv_components_per_layer", "attention_variant_per_layer"):
         if fmt == "native" and getattr(config, name, None) is not None:
@@ -207,14 +207,14 @@ def export_hf_checkpoint(
                 f"{name}: a native export has one setting for all layers; export without the "
                 "head norm (folded to plain q/k/v) or compress all layers"
             )
-    fam, fields = hf_config_dict(description)
+    fam, fields = hf_config_dict(description, config)
     if reference_fields:
         _check_reference(reference, reference_fields, fields)
     _build_config(fam, fields, config, fmt)  # refuse a bad config before any tensor is written
     started = time.perf_counter()
     with staged_directory(save_dir) as staged:
-        saved_dtype = _write_weights(load_dir, staged, description, fam, fmt, dtype, iteration,
-                                     max_shard_bytes)
+        saved_dtype = _write_weights(load_dir, staged, description, config, fam, fmt, dtype,
+                                     iteration, max_shard_bytes)
         fields["dtype"] = dtype_name(dtype or saved_dtype)
         _write_config(staged, _build_config(fam, fields, config, fmt), fmt)
         args = description.args
@@ -226,16 +226,16 @@ def export_hf_checkpoint(
     return fmt
 
 
-def _write_weights(load_dir, save_dir, description, fam, fmt, dtype, iteration,
+def _write_weights(load_dir, save_dir, description, config, fam, fmt, dtype, iteration,
                    max_shard_bytes) -> torch.dtype:
     """Stream the checkpoint's tensors through the family's export rules into safetensors
-    shards under `save_dir`; returns the checkpoint's dtype."""
-    config = description.transformer_config(meta=True)
+    shards under `save_dir` (`config`: the model's `transformer_config(meta=True)`); returns the
+    checkpoint's dtype."""
     started = time.perf_counter()
     with converter_process():
         native = fmt == "native"
-        rules = plan_rules(description, expected_shapes(description), native, fam)
-        layout = qkv_layout(description, None if native else config.num_query_groups)
+        rules = plan_rules(description, config, expected_shapes(description, config), native, fam)
+        layout = qkv_layout(description, config, None if native else config.num_query_groups)
         _, groups = read_checkpoint(load_dir, description, iteration)
         writer = HFWriter(save_dir, max_shard_bytes)
         saved_dtype = None

@@ -30,7 +30,6 @@ from megatron.core.dist_checkpointing.mapping import (
     ShardedTensorFactory,
 )
 from megatron.core.models.gpt import GPTModel
-from torch.overrides import TorchFunctionMode
 
 from megatron_mea.checkpoint.torch_dist.checks import (
     TRACKER,
@@ -43,10 +42,10 @@ from megatron_mea.checkpoint.torch_dist.checks import (
 )
 from megatron_mea.checkpoint.megatron_lm.reading import common_state_types, megatron_lm_run_args
 from megatron_mea.files import atomic_write
+from megatron_mea import gpt
 from megatron_mea.gpt import free_port, transformer_config
-from megatron_mea.model_args import MODEL_FIELDS, RunArgs, gpt_model_kwargs
+from megatron_mea.model_args import MODEL_FIELDS, RunArgs
 from megatron_mea.run_config import load_run_args, save_config
-from megatron_mea.specs import get_gpt_decoder_block_spec
 
 logger = logging.getLogger(__name__)
 
@@ -91,16 +90,15 @@ class ModelDescription:
     source: Optional[str] = None
 
     def transformer_config(self, meta: bool = False):
-        """The model's `MEATransformerConfig` (TP=PP=EP=1 when `meta`, for the converters)."""
-        args = self.args
+        """The model's `MEATransformerConfig` (TP=PP=EP=1 on the meta device when `meta`, for
+        the converters). Build it once per conversion and pass it down."""
         if meta:
-            args = dataclasses.replace(args, **SINGLE_PROCESS_LAYOUT)
-        config = transformer_config(args)
-        if meta:
-            config = dataclasses.replace(
-                config, use_cpu_initialization=True, perform_initialization=False
-            )
-        return config
+            return transformer_config(self.converter_args(), meta=True)
+        return transformer_config(self.args)
+
+    def converter_args(self) -> RunArgs:
+        """`args` at the converters' layout (`SINGLE_PROCESS_LAYOUT`)."""
+        return dataclasses.replace(self.args, **SINGLE_PROCESS_LAYOUT)
 
     def save(self, root: str) -> None:
         """Write `config.yaml` and `conversion.json` under `root`."""
@@ -113,7 +111,7 @@ class ModelDescription:
     def load(cls, root: str) -> "ModelDescription":
         """Read the description of the checkpoint directory `root`: `config.yaml` of
         `mea-pretrain` or of this tool, else the arguments a Megatron-LM run saved in the
-        checkpoint (`megatron_mea.checkpoint.megatron_lm_io`). `root` may name one of its
+        checkpoint (`megatron_mea.checkpoint.megatron_lm.reading`). `root` may name one of its
         `iter_XXXXXXX` folders."""
         root, _ = split_checkpoint_path(root)
         if not os.path.isdir(root):
@@ -180,31 +178,18 @@ def converter_process() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-class _AllOnMeta(TorchFunctionMode):
-    """Every tensor made or moved inside goes to the meta device, whatever device is named.
+def meta_model(description: ModelDescription, config=None) -> GPTModel:
+    """The TP=1 model of `description` on the meta device (no memory for its weights).
 
-    `torch.device("meta")` alone only covers factory calls without a device; some modules build
-    a small init on CPU and move it (`init.to(device=...)`), which fails for a meta init.
+    Args:
+        description: the model.
+        config: `description.transformer_config(meta=True)`, when the caller has it.
     """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if "device" in kwargs:
-            kwargs["device"] = "meta"
-        if func is torch.Tensor.to:
-            args = tuple("meta" if isinstance(a, (str, torch.device)) else a for a in args)
-        return func(*args, **kwargs)
-
-
-def meta_model(description: ModelDescription) -> GPTModel:
-    """The TP=1 model of `description` on the meta device (no memory for its weights)."""
-    config = description.transformer_config(meta=True)
-    with torch.device("meta"), _AllOnMeta():
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=False),
-            **gpt_model_kwargs(description.args),
-        )
+    if config is None:
+        config = description.transformer_config(meta=True)
+    return gpt.build_model(
+        description.converter_args(), config, core_attention="megatron", placement="meta"
+    )
 
 
 def layer_of(name: str) -> int:
@@ -228,9 +213,9 @@ def tensor_entries(sharded: Dict) -> Dict[str, object]:
     }
 
 
-def expected_shapes(description: ModelDescription) -> Dict[str, Tuple[int, ...]]:
-    """State-dict name -> shape of every tensor of the model (TP=1)."""
-    entries = tensor_entries(meta_model(description).sharded_state_dict())
+def expected_shapes(description: ModelDescription, config=None) -> Dict[str, Tuple[int, ...]]:
+    """State-dict name -> shape of every tensor of the model (TP=1); `config` as `meta_model`."""
+    entries = tensor_entries(meta_model(description, config).sharded_state_dict())
     return {name: tuple(entry.data.shape) for name, entry in entries.items()}
 
 
@@ -260,7 +245,8 @@ def load_model_weights(model, root: str, iteration: Optional[int] = None) -> Non
 
 
 def build_model(description: ModelDescription, **parallel) -> GPTModel:
-    """The real model of `description` for this rank (call inside an initialised parallel state).
+    """The real model of `description` for this rank (call inside an initialised parallel state),
+    built by `megatron_mea.gpt.build_model`.
 
     Args:
         description: the model.
@@ -271,13 +257,11 @@ def build_model(description: ModelDescription, **parallel) -> GPTModel:
         description = dataclasses.replace(
             description, args=dataclasses.replace(description.args, **parallel)
         )
-    config = description.transformer_config()
-    args = description.args
-    use_te = args.transformer_impl == "transformer_engine"
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(config, use_transformer_engine=use_te),
+    return gpt.build_model(
+        description.args,
+        description.transformer_config(),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        **gpt_model_kwargs(args),
+        core_attention="megatron",
+        placement="built",
     )
