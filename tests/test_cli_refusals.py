@@ -1,6 +1,6 @@
 """One convention for every tool's refusals: one line, `mea-<tool>: error: ...`, exit status 2,
-no usage dump (argparse printed 95 lines of usage first, 578 for mea-model-size); `mea-dry-run
---help` shows its own `-- <flags>` form, Megatron-LM's flags behind `--help-all`."""
+no usage dump (argparse printed 95 lines of usage first, 578 for mea-model-size); `--help` of `mea-dry-run` and `mea-model-size` shows the tool's
+own flags, Megatron-LM's behind `--help-all`, after them."""
 
 import importlib
 from pathlib import Path
@@ -39,3 +39,23 @@ def test_dry_run_help_is_its_own_and_megatrons_flags_are_behind_help_all(capsys)
     assert "--help-all" in own and "--num-layers" not in own
     assert main(["--help-all"]) == 0
     assert "--num-layers" in capsys.readouterr().out
+
+
+def test_model_size_help_shows_its_own_flags_first_megatrons_behind_help_all(capsys):
+    from megatron_mea.cli.model_size import main
+
+    own_flags = ("--help-all", "--kv-bytes-per-element", "--default-vocab-size", "--json")
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
+    assert help_text.startswith("usage: mea-model-size [-h] [--help-all]")
+    assert all(f"  {flag}" in help_text for flag in own_flags)
+    assert "  --num-layers" not in help_text and "  --attention-variant" not in help_text
+    with pytest.raises(SystemExit) as exc:
+        main(["--help-all"])
+    assert exc.value.code == 0
+    help_all = capsys.readouterr().out
+    assert help_all.startswith(help_text)  # the tool's own help first, then the passthrough
+    last_own = max(help_all.index(f"  {flag}") for flag in own_flags)
+    assert last_own < help_all.index("  --num-layers") < help_all.index("  --attention-variant")

@@ -9,6 +9,9 @@ script's argument set can be sized directly:
         --normalization RMSNorm --untie-embeddings-and-output-weights --seq-length 8192 \\
         --vocab-size 128256 --attention-variant mea --mea-num-kv-components 2
 
+`--help` lists the tool's own flags; `--help-all` adds Megatron-LM's and the plugin's after them.
+Exit status: 0 printed; 2 a flag refused (one line, `mea-model-size: error: ...`).
+
 The arithmetic (and what is counted) is documented in `megatron_mea/model_size.py`.
 """
 
@@ -16,31 +19,68 @@ import argparse
 import json
 import sys
 
+from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.integrations.args import add_mea_args
 from megatron_mea.integrations.dry_run import DEFAULT_VOCAB_SIZE, padded_vocab_size
-from megatron_mea.integrations.mlm_flags import build_parser
+from megatron_mea.integrations.mlm_flags import build_parser as megatron_lm_parser
 from megatron_mea.model_size import ModelShape, model_size
+
+PROG = "mea-model-size"
+
+
+class _HelpAll(argparse.Action):
+    """`--help-all`: the tool's help, then Megatron-LM's and the plugin's flags; exit 0."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        passthrough = model_parser()
+        passthrough.usage = argparse.SUPPRESS  # the tool's usage line, printed above, stands
+        print(parser.format_help() + "\n" + passthrough.format_help(), end="")
+        parser.exit(0)
+
+
+def build_parser() -> ArgumentParser:
+    """The tool's own flags; every other flag is passed on to `model_parser`."""
+    parser = ArgumentParser(
+        prog=PROG, allow_abbrev=False,
+        usage=f"{PROG} [-h] [--help-all] [--json] [...] <Megatron-LM and plugin flags>",
+        description=__doc__.split("\n")[0],
+        epilog="The model is described by the flags pretrain_gpt_mea.py takes: Megatron-LM's "
+               "(--num-layers, --hidden-size, --num-attention-heads, --num-experts, ...) and the "
+               "plugin's (--attention-variant, --mea-num-kv-components, --kha-variant, ...); "
+               "--help-all lists them.",
+    )
+    parser.add_argument("--help-all", action=_HelpAll,
+                        help="show also Megatron-LM's and the plugin's flags, and exit")
+    parser.add_argument("--kv-bytes-per-element", type=int, default=2,
+                        help="KV-cache element size: 2 (bf16) or 1 (fp8). Default: 2")
+    parser.add_argument("--default-vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                        help=f"vocabulary when --vocab-size is absent. Default: {DEFAULT_VOCAB_SIZE}")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def model_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's flags (the installed megatron-core's tag) and the plugin's, as
+    `pretrain_gpt_mea.py` takes them."""
+    parser = add_mea_args(megatron_lm_parser())
+    parser.prog = PROG  # errors name the tool (argparsing.ArgumentParser)
+    return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    """Megatron-LM's and the plugin's flags, plus this tool's.
+    """The tool's flags, then Megatron-LM's and the plugin's from the rest.
 
     Args:
         argv: the arguments. Default: `sys.argv[1:]`.
 
     Returns:
-        The namespace, with `seq_length` and `padded_vocab_size` filled in.
+        One namespace of both, with `seq_length` and `padded_vocab_size` filled in.
     """
-    parser = add_mea_args(build_parser())
-    parser.prog = "mea-model-size"
-    parser.description = __doc__.split("\n")[0]
-    tool = parser.add_argument_group("mea-model-size")
-    tool.add_argument("--kv-bytes-per-element", type=int, default=2,
-                      help="KV-cache element size: 2 (bf16) or 1 (fp8). Default: 2")
-    tool.add_argument("--default-vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
-                      help=f"vocabulary when --vocab-size is absent. Default: {DEFAULT_VOCAB_SIZE}")
-    tool.add_argument("--json", action="store_true", help="print JSON")
-    args = parser.parse_args(argv)
+    own, rest = build_parser().parse_known_args(argv)
+    args = model_parser().parse_args(rest, namespace=own)
     if args.seq_length is None:
         args.seq_length = args.max_position_embeddings or 4096
     args.padded_vocab_size = padded_vocab_size(args, args.default_vocab_size)
@@ -54,7 +94,7 @@ def main(argv=None) -> int:
         argv: the arguments. Default: `sys.argv[1:]`.
 
     Returns:
-        The exit status (0; argparse exits with 2 on usage errors).
+        The exit status: 0 (a refused flag exits with 2 from the parser, one line).
     """
     args = parse_args(argv)
     shape = ModelShape.from_args(args)
