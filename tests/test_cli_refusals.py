@@ -1,5 +1,6 @@
 """One convention for every tool's refusals: one line, `mea-<tool>: error: ...`, exit status 2,
-no usage dump (argparse printed 95 lines of usage first, 578 for mea-model-size); `--help` of `mea-dry-run` and `mea-model-size` shows the tool's
+no usage dump (argparse printed 95 lines of usage first, 578 for mea-model-size), an invalid
+`mea-dry-run` launch included; `--help` of `mea-dry-run` and `mea-model-size` shows the tool's
 own flags, Megatron-LM's behind `--help-all`, after them."""
 
 import importlib
@@ -39,6 +40,20 @@ def test_dry_run_help_is_its_own_and_megatrons_flags_are_behind_help_all(capsys)
     assert "--help-all" in own and "--num-layers" not in own
     assert main(["--help-all"]) == 0
     assert "--num-layers" in capsys.readouterr().out
+
+
+def test_dry_run_an_invalid_launch_is_a_refusal_one_line_and_exit_2(capsys):
+    from megatron_mea.cli.dry_run import main
+
+    flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+             "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "1",
+             "--train-iters", "10", "--mock-data", "--pipeline-model-parallel-size", "3"]
+    with pytest.raises(SystemExit) as exc:
+        main(["--world-size", "3", "--"] + flags)
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == ("mea-dry-run: error: --num-layers (4) must be divisible by "
+                                 "--pipeline-model-parallel-size (3)\n")
 
 
 def test_model_size_help_shows_its_own_flags_first_megatrons_behind_help_all(capsys):

@@ -2,7 +2,11 @@
 without a GPU or Megatron-LM (see `megatron_mea.integrations.dry_run`).
 
 The flags are checked against the Megatron-LM tag that matches the installed megatron-core (0.16.x:
-`core_v0.16.1`; 0.17 and later: `core_v0.19.0`), or the one `--megatron-lm-tag` names."""
+`core_v0.16.1`; 0.17 and later: `core_v0.19.0`), or the one `--megatron-lm-tag` names.
+
+Exit status: 0 the launch is valid (a summary with the model size); 2 refused, in one line
+`mea-dry-run: error: ...`: a flag Megatron-LM would not take (unknown, a missing or bad value) or a
+launch it would reject (every problem found, `; `-separated)."""
 
 import argparse
 import sys
@@ -17,6 +21,13 @@ from megatron_mea.integrations.dry_run import (
 from megatron_mea.integrations.mlm_flags import MEGATRON_LM_TAGS, installed_tag
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def build_parser() -> ArgumentParser:
     """The tool's own flags, before the `--`; Megatron-LM's flags after it."""
     cli = ArgumentParser(
@@ -24,7 +35,8 @@ def build_parser() -> ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    cli.add_argument("--world-size", type=int, default=1, help="ranks the launch will start")
+    cli.add_argument("--world-size", type=_positive_int, default=1,
+                     help="ranks the launch will start. Default: 1")
     cli.add_argument("--te-version", default=ASSUMED_TE_VERSION,
                      help="Transformer Engine version to assume when it is not installed")
     cli.add_argument("--megatron-lm-tag", choices=sorted(MEGATRON_LM_TAGS), default=None,
@@ -36,7 +48,14 @@ def build_parser() -> ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """CLI: `python -m megatron_mea.cli.dry_run --world-size N -- <flags>`."""
+    """CLI: `mea-dry-run --world-size N -- <flags>`.
+
+    Args:
+        argv: the arguments. Default: `sys.argv[1:]`.
+
+    Returns:
+        The exit status, 0 (valid); a refusal exits with status 2 through the parser's `error`.
+    """
     argv = sys.argv[1:] if argv is None else argv
     if "--" in argv:
         own, rest = argv[: argv.index("--")], argv[argv.index("--") + 1:]
@@ -44,15 +63,15 @@ def main(argv=None) -> int:
         own, rest = argv, []
     else:
         own, rest = [], argv
-    opts = build_parser().parse_args(own)
+    cli = build_parser()
+    opts = cli.parse_args(own)
     if opts.help_all:
         training_parser(opts.megatron_lm_tag).print_help()
         return 0
     try:
         result = dry_run(rest, opts.world_size, opts.te_version, opts.megatron_lm_tag)
-    except DryRunError as err:
-        print(f"DRY RUN FAILED: {err}", file=sys.stderr)
-        return 1
+    except DryRunError as err:  # a launch Megatron-LM would reject is a refusal of the input
+        cli.error(str(err))
     args, config, size = result["args"], result["config"], result["size"]
     print(
         f"DRY RUN OK (Megatron-LM {result['tag']}): {len(rest)} argument tokens, "
