@@ -57,7 +57,7 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--kv-bytes-per-element", type=int, default=2,
                         help="KV-cache element size: 2 (bf16) or 1 (fp8). Default: 2")
     parser.add_argument("--default-vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
-                        help=f"vocabulary when --vocab-size is absent. Default: {DEFAULT_VOCAB_SIZE}")
+                        help="vocabulary when --vocab-size is absent. Default: %(default)s")
     parser.add_argument("--json", action="store_true", help="print JSON")
     return parser
 
