@@ -1,6 +1,7 @@
 """The README's examples run as written: the "Use" snippet, `mea-preprocess` then the paths the
 pretraining and sweep examples read, and the run directories the demo writes that the eval and
-generate examples load. A doc example that cannot run fails here."""
+generate examples load. A doc example that cannot run fails here; every `mea-*` command line of
+the docs is parsed by its tool in tests/test_doc_commands.py."""
 
 import os
 import re
@@ -8,6 +9,8 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.test_doc_commands import shell_commands
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -18,15 +21,9 @@ def _env():
     return dict(os.environ, PYTHONPATH=path, PYTHONWARNINGS="ignore")
 
 
-def _bash_blocks(text):
-    """Every command of the ```bash blocks, continuation lines joined, comments dropped."""
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-        for command in block.replace("\\\n", " ").splitlines():
-            command = re.sub(r"\s+#.*$", "", command).strip()
-            if command and not command.startswith("#"):
-                commands.append(command)
-    return commands
+def _readme_commands():
+    """Every command of the README's shell blocks, continuation lines joined."""
+    return [command for _, command in shell_commands(ROOT / "README.md")]
 
 
 def test_the_use_snippet_runs(tmp_path):
@@ -40,15 +37,15 @@ def test_preprocess_writes_what_the_training_examples_read(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "a.jsonl").write_text('{"text": "one document"}\n')
     (tmp_path / "notes.txt").write_text("another document\n")
-    (preprocess,) = [c for c in _bash_blocks(README)
+    (preprocess,) = [c for c in _readme_commands()
                      if c.startswith("mea-preprocess") and "ByteLevelTokenizer" in c]
     command = preprocess.replace("mea-preprocess", shlex.quote(sys.executable)
                                  + " -m megatron_mea.cli.preprocess", 1)
     run = subprocess.run(["bash", "-c", command], cwd=tmp_path, env=_env(),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    data_paths = {shlex.split(c)[shlex.split(c).index("--data-path") + 1]
-                  for c in _bash_blocks(README) if "--data-path data/" in c}
+    reads = [shlex.split(c, comments=True) for c in _readme_commands() if "--data-path data/" in c]
+    data_paths = {tokens[tokens.index("--data-path") + 1] for tokens in reads}
     assert data_paths, "no example reads the preprocessed data"
     for prefix in data_paths:
         assert (tmp_path / f"{prefix}.bin").is_file() and (tmp_path / f"{prefix}.idx").is_file(), (
