@@ -4,9 +4,11 @@ One fresh interpreter imports every module under `megatron_mea` while it cannot 
 top-level packages that `[project.dependencies]` does not install: those of every distribution
 installed here outside that closure (the extras' transformers, tqdm, matplotlib, lm_eval...,
 pytest and hypothesis, which only the tests bring), and the extras' and CUDA-only packages by
-name (vLLM, Transformer Engine, Apex...). They are hidden by wrapping each finder of `sys.meta_path`: `import x` raises
-ModuleNotFoundError and `importlib.util.find_spec("x")` answers None, as when it is not installed
-(a finder that raised from `find_spec` would break the probes of `megatron_mea._optional`).
+name (vLLM, Transformer Engine, Apex...). Each finder of `sys.meta_path` is wrapped to look for
+those everywhere but in the installed packages: `import x` raises ModuleNotFoundError and
+`importlib.util.find_spec("x")` answers None, as when it is not installed, while a copy vendored
+inside an allowed package (setuptools' more_itertools) stays visible. (A finder that raised from
+`find_spec` would break the probes of `megatron_mea._optional`.)
 
 A module that needs an extra imports it where the feature is used, through
 `megatron_mea._optional.import_extra` (a one-line ImportError naming the extra). The exceptions
@@ -33,8 +35,8 @@ OPTIONAL_PACKAGES = ("tqdm", "tensorboard", "matplotlib", "pynvml", "transformer
                      "transformers", "safetensors", "lm_eval", "vllm", "six", "pytest",
                      "hypothesis")
 
-# Modules that cannot make sense without an extra's package; each must still fail with an
-# ImportError that names its extra (`pip install 'megatron_mea[...]'`).
+# Modules that cannot make sense without an extra's package; each that does not import must
+# raise an ImportError naming its extra (`pip install 'megatron_mea[...]'`).
 NEED_THEIR_HOST = {
     # Subclasses of transformers' configs and causal LMs, carried into exports as remote code
     # (self-contained: no lazy door to megatron_mea._optional there), and the package that
