@@ -17,21 +17,22 @@ VARIANTS = {
 }
 
 
+# The benchmarked shape: `mea-bench-attention`'s flags, named as the `RunArgs` fields they set,
+# with their defaults (`ffn_hidden_size` None: 4 * hidden).
+SHAPE = {"hidden_size": 1024, "ffn_hidden_size": None, "num_attention_heads": 16,
+         "num_query_groups": 4, "seq_length": 2048, "vocab_size": 8192}
+
+
 def model_args(args, variant, num_layers=1, core_attention="megatron"):
-    """The benchmarked model as a `RunArgs`: a dense GELU GPT with RMSNorm and q/k norms, no
-    biases, `variant`'s attention, and the vocabulary unpadded."""
+    """The benchmarked model as a `RunArgs`: `args`'s shape (`SHAPE`), a dense GELU GPT
+    with RMSNorm and q/k norms, no biases, `variant`'s attention, and the vocabulary unpadded."""
     from megatron_mea.model_args import RunArgs
 
     return RunArgs(
         num_layers=num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        seq_length=args.seq_length,
+        **{name: getattr(args, name) for name in SHAPE},
         swiglu=False,
         num_experts=None,
-        vocab_size=args.vocab_size,
         make_vocab_size_divisible_by=1,
         untie_embeddings_and_output_weights=True,
         bf16=args.bf16,
@@ -76,19 +77,6 @@ def build_layer(args, variant, tp=1, core_attention="megatron"):
     return build_module(spec, config=config, layer_number=1).to(args.device)
 
 
-def build_model(args, variant, core_attention="megatron"):
-    """The benchmarked GPT (`megatron_mea.gpt.build_model`) on `args.device`, fold cache on."""
-    from megatron_mea import gpt
-    from megatron_mea.layers import enable_fold_cache
-
-    torch.manual_seed(args.seed)
-    config = make_config(args, variant, num_layers=args.model_layers)
-    run = model_args(args, variant, args.model_layers, core_attention)
-    model = gpt.build_model(run, config, placement="built").to(args.device)
-    enable_fold_cache(model)
-    return model
-
-
 class LayerStep:
     """Forward + backward of one layer on `[s/t, b, h]` (the SP shard) with RoPE and a causal
     mask. `core_attention`: the local spec's (`megatron` or `sdpa`, see `specs.py`)."""
@@ -115,12 +103,18 @@ class LayerStep:
 
 
 class ModelStep:
-    """One optimizer step of a small GPT: micro-batches, the fold flush, Adam."""
+    """One optimizer step of a small GPT (`megatron_mea.gpt.build_model`, fold cache on):
+    micro-batches, the fold flush, Adam."""
 
     def __init__(self, args, variant, core_attention="megatron"):
-        from megatron_mea.layers import flush_fold_caches
+        from megatron_mea import gpt
+        from megatron_mea.layers import enable_fold_cache, flush_fold_caches
 
-        self.model = build_model(args, variant, core_attention)
+        torch.manual_seed(args.seed)
+        config = make_config(args, variant, num_layers=args.model_layers)
+        run = model_args(args, variant, args.model_layers, core_attention)
+        self.model = gpt.build_model(run, config, placement="built").to(args.device)
+        enable_fold_cache(self.model)
         self.flush = flush_fold_caches
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-5)
         gen = torch.Generator().manual_seed(args.seed)

@@ -32,7 +32,7 @@ import time
 from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
 from megatron_mea.bench.collectives import count_bytes
-from megatron_mea.bench.steps import VARIANTS, LayerStep, ModelStep, layer_flops
+from megatron_mea.bench.steps import SHAPE, VARIANTS, LayerStep, ModelStep, layer_flops
 from megatron_mea.cpu import megatron_on_cpu
 from megatron_mea.gpt import free_port
 
@@ -43,11 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                         help="baseline is always included (ratios are to it)")
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 * hidden")
-    parser.add_argument("--num-attention-heads", type=int, default=16)
-    parser.add_argument("--num-query-groups", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=2048)
+    for name, default in SHAPE.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                            help="default 4 * hidden" if default is None else None)
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=15, help="timed rounds of every variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
@@ -56,7 +54,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model-micro-batches", type=int, default=2)
     parser.add_argument("--model-repeats", type=int, default=7,
                         help="timed rounds of the model step")
-    parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--tp-sizes", type=int, nargs="*", default=[2, 4],
                         help="TP sizes whose collectives are counted (none: skip)")
     parser.add_argument("--bytes-seq-length", type=int, default=None,

@@ -27,6 +27,7 @@ naming the file, tensor or field; usage errors too); 1 on a failure at run time.
 """
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -64,37 +65,39 @@ def _import_hf(args):
           f"--load {args.save} ...)")
 
 
-def _resolve_iteration(args) -> int:
-    """The iteration of `--load` this command reads (`--iteration`, or the one `latest` names),
-    fixed before reading, so the line that reports it names what was read."""
+@contextlib.contextmanager
+def _reading_load(args):
+    """Yields the iteration of `--load` this command reads (`--iteration`, or the one `latest`
+    names), fixed before reading; after the block, a line names what was read (a rewound run's
+    directory may hold several checkpoints of one iteration over time)."""
     from megatron_mea.checkpoint.torch_dist.checks import ITER_DIR
     from megatron_mea.checkpoint.torch_dist.model_only import resolve_checkpoint
 
     # A missing checkpoint is refused, named; `--load DIR/iter_XXXXXXX` names its iteration.
     directory = resolve_checkpoint(args.load, args.iteration)
-    return int(ITER_DIR.match(os.path.basename(directory)).group(1))
-
-
-def _report_read(args, iteration: int) -> None:
-    # Which checkpoint an export holds is otherwise nowhere to be seen (a rewound run's
-    # directory may hold several with the same iteration over time).
+    iteration = int(ITER_DIR.match(os.path.basename(directory)).group(1))
+    yield iteration
     print(f"mea-convert {args.command}: read iteration {iteration} from {args.load}")
+
+
+def _convert_load(args, convert, *positional, **options):
+    """`convert(--load, --save, *positional, iteration=..., **options)`: a conversion of the
+    iteration `_reading_load` fixes; returns what `convert` returns."""
+    with _reading_load(args) as iteration:
+        return convert(args.load, args.save, *positional, iteration=iteration, **options)
 
 
 def _export_hf(args):
     from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
 
-    iteration = _resolve_iteration(args)
-    fmt = export_hf_checkpoint(
-        args.load,
-        args.save,
+    fmt = _convert_load(
+        args,
+        export_hf_checkpoint,
         format=args.format,
         reference=args.reference,
         dtype=DTYPES[args.dtype] if args.dtype else None,
-        iteration=iteration,
         max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
     )
-    _report_read(args, iteration)
     hint = " (import megatron_mea.hf or pass trust_remote_code=True)" if fmt == "native" else ""
     print(f"wrote {args.save} in the {fmt} format{hint}")
 
@@ -103,17 +106,14 @@ def _compress(args):
     from megatron_mea.checkpoint.transforms.compress import compress_checkpoint
     from megatron_mea.checkpoint.transforms.compress import kv_heads_per_layer
 
-    iteration = _resolve_iteration(args)
-    target = compress_checkpoint(
-        args.load,
-        args.save,
+    target = _convert_load(
+        args,
+        compress_checkpoint,
         args.num_kv_components,
         layers=args.layers,
         mea_head_norm=args.mea_head_norm,
         mea_key_norm_before_mix=args.mea_key_norm_before_mix,
-        iteration=iteration,
     )
-    _report_read(args, iteration)
     written = kv_heads_per_layer(target.transformer_config(meta=True))
     print(f"wrote {args.save} (MEA; K/V heads per layer, cached: {written})")
 
@@ -126,11 +126,10 @@ def _probe(args):
     num_layers = ModelDescription.load(args.load).args.num_layers
     layers = select_layers(args.layers, num_layers)
     tokens = load_tokens(args.data_path, args.seq_length, args.num_samples)
-    iteration = _resolve_iteration(args)
-    result = probe_layers(args.load, tokens, args.num_kv_components, layers=layers,
-                          micro_batch_size=args.micro_batch_size, iteration=iteration)
-    print(result.table())
-    _report_read(args, iteration)
+    with _reading_load(args) as iteration:
+        result = probe_layers(args.load, tokens, args.num_kv_components, layers=layers,
+                              micro_batch_size=args.micro_batch_size, iteration=iteration)
+        print(result.table())
 
 
 def build_parser() -> argparse.ArgumentParser:

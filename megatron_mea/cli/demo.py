@@ -154,6 +154,15 @@ def summarize(results: dict) -> str:
     return "\n".join(lines)
 
 
+def write_summary(out: str, table: str) -> str:
+    """Keep a tool's summary `table` as `out/summary.txt` (what `mea-demo` and `mea-lr-sweep`
+    print); returns the path."""
+    path = os.path.join(out, "summary.txt")
+    with atomic_write(path) as handle:
+        handle.write(table + "\n")
+    return path
+
+
 def plot(results: dict, path: str) -> None:
     """Training loss (smoothed) and validation loss per variant, one PNG."""
     import_extra("matplotlib", "the demo's plot").use("Agg")
@@ -222,8 +231,7 @@ def main(argv=None) -> int:
     table = summarize(results)
     png = os.path.join(args.out, "loss_curves.png")
     plot(results, png)
-    with open(os.path.join(args.out, "summary.txt"), "w", encoding="utf-8") as handle:
-        handle.write(table + "\n")
+    write_summary(args.out, table)
     print("\n" + table + "\n")
     print(f"[demo] loss curves: {png}; TensorBoard: {os.path.join(args.out, 'tensorboard')}")
     print(f"[demo] logs: {log_path} (the tools' output); Megatron-Core's records: "

@@ -30,7 +30,7 @@ import yaml
 
 from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
-from megatron_mea.cli.demo import DEMO_CONFIG, prepare_data
+from megatron_mea.cli.demo import DEMO_CONFIG, prepare_data, write_summary
 from megatron_mea.training.sweep import (
     VARIANTS,
     StabilityRule,
@@ -306,8 +306,7 @@ def main(argv=None) -> int:
         print(f"lr_sweep: error: {exc}", file=sys.stderr)
         return 2
     table = format_table(summaries, rule) + "\n\n" + fit_table
-    with open(os.path.join(settings.out, "summary.txt"), "w", encoding="utf-8") as handle:
-        handle.write(table + "\n")
+    summary_txt = write_summary(settings.out, table)
     summary = to_json(summaries, rule)
     for run in summary["runs"]:
         run["fit"] = fits[(run["variant"], run["lr"])]
@@ -320,7 +319,7 @@ def main(argv=None) -> int:
     plot_final_loss(summaries, final_png)
     print("\n" + table)
     print(f"\n[lr-sweep] plots: {curves_png}, {final_png}; table: "
-          f"{os.path.join(settings.out, 'summary.txt')} (+ .json)")
+          f"{summary_txt} (+ .json)")
     print(f"[lr-sweep] {time.perf_counter() - start:.0f} s in this invocation")
     return 0
 

@@ -178,6 +178,26 @@ def _component_attention(query, keys, values, num_scales, key_mix, value_mix, sc
     return torch.einsum("bhscd,ch->bshd", out, value_mix.repeat_interleave(per_group, 1))
 
 
+def before_mix(attention, query, key, value):
+    """What an attention of a native export does to its split heads `[..., heads, hn]` before
+    the MEA mix: KHA, the q norm, and the k norm when it comes first (norm-then-mix).
+
+    Args:
+        attention: this file's `VariantAttention` or vLLM's (`megatron_mea.integrations.vllm`):
+            its `knock`, `q_norm` (None when absent), `k_norm` and `key_norm_before_mix`.
+
+    Returns:
+        query, key, value, shapes kept.
+    """
+    if attention.knock is not None:
+        query, key, value = attention.knock(query, key, value)
+    if attention.q_norm is not None:
+        query = attention.q_norm(query)
+    if attention.key_norm_before_mix:
+        key = attention.k_norm(key)
+    return query, key, value
+
+
 class VariantAttention(nn.Module):
     """Self-attention with MEA or KHA (or standard, in a native export that needs the native
     model for something else: Megatron's router, no QK norm), a drop-in for the family's
@@ -235,12 +255,7 @@ class VariantAttention(nn.Module):
         query = self.q_proj(hidden_states).view(b, s, self.num_heads, hn)
         key = self.k_proj(hidden_states).view(b, s, self.num_components, hn)
         value = self.v_proj(hidden_states).view(b, s, self.num_components, hn)
-        if self.knock is not None:
-            query, key, value = self.knock(query, key, value)
-        if self.q_norm is not None:
-            query = self.q_norm(query)
-        if self.key_norm_before_mix:
-            key = self.k_norm(key)
+        query, key, value = before_mix(self, query, key, value)
         weights = None
         if self.caches_components and cache is not None:
             output = self._attend_with_component_cache(

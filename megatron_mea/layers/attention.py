@@ -17,6 +17,7 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from megatron_mea.layers.knock import require_knock
 from megatron_mea.ops.qkv_layout import unfuse_qkv
 
 
@@ -151,11 +152,7 @@ class KHASelfAttention(_SplitSelfAttention):
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         """Arguments as `_SplitSelfAttention`'s (Megatron's `SelfAttention`); `submodules` a
         `KHASelfAttentionSubmodules`."""
-        if getattr(submodules, "knock", None) is None:
-            raise TypeError(
-                "KHASelfAttention takes KHASelfAttentionSubmodules with a knock module, got "
-                f"{type(submodules).__name__}: build its spec with megatron_mea.specs"
-            )
+        require_knock("KHASelfAttention", submodules)
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.knock = build_module(submodules.knock, config, self.tp_group)
         if config.kha_fold_linear:

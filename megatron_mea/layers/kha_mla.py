@@ -45,6 +45,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from megatron_mea.config import MEATransformerConfig
+from megatron_mea.layers.knock import require_knock
 from megatron_mea.layers.sdpa_attention import SDPADotProductAttention
 from megatron_mea.ops import kha_linear
 from megatron_mea.parallel import tp_replicated
@@ -138,11 +139,7 @@ class KHAMLASelfAttention(MLASelfAttention):
     def __init__(self, config, submodules, layer_number, *args, **kwargs):
         # args / kwargs: Megatron's own (attn_mask_type, cp_comm_type, pg_collection, and in
         # newer releases pp_layer_offset, name), passed through unchanged.
-        if getattr(submodules, "knock", None) is None:
-            raise TypeError(
-                "KHAMLASelfAttention takes KHAMLASelfAttentionSubmodules with a knock module, "
-                f"got {type(submodules).__name__}: build its spec with megatron_mea.specs"
-            )
+        require_knock("KHAMLASelfAttention", submodules)
         super().__init__(config, submodules, layer_number, *args, **kwargs)
         self.knock = build_module(submodules.knock, config, self.tp_group)
 

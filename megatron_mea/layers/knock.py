@@ -16,6 +16,16 @@ from megatron_mea.ops import (
 from megatron_mea.parallel import tp_replicated
 
 
+def require_knock(attention: str, submodules) -> None:
+    """Refuse `submodules` without a knock module before `attention` (a KHA self-attention class
+    name, whose submodules class is `<attention>Submodules`) builds anything of Megatron's."""
+    if getattr(submodules, "knock", None) is None:
+        raise TypeError(
+            f"{attention} takes {attention}Submodules with a knock module, got "
+            f"{type(submodules).__name__}: build its spec with megatron_mea.specs"
+        )
+
+
 class KnockingHeads(torch.nn.Module):
     """Knocking-heads transforms of Q/K/V, per head along the feature axis (docs/math.md).
 

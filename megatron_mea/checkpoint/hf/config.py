@@ -20,7 +20,6 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron_mea.checkpoint.hf.families import FAMILIES, Family, family
 from megatron_mea.checkpoint.torch_dist.model_only import ConversionError, ModelDescription
 from megatron_mea.data.tokenizers import ByteLevelTokenizer
-from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS, router_outside_stock
 from megatron_mea.model_args import RUN_FIELDS, RunArgs, derived_sizes, moe_layers_of_freq
 from megatron_mea.variant import fields_of_scope
 
@@ -54,6 +53,9 @@ def byte_level_run(description: ModelDescription) -> bool:
 def non_stock_router(config) -> Optional[Tuple[str, object]]:
     """(field, value) of the first router setting of `config` (an `MEATransformerConfig`) that
     no stock transformers family computes, or None (`router_outside_stock`)."""
+    # Imported here: megatron_mea.hf needs the `hf` extra, this module only when converting.
+    from megatron_mea.hf.configuration_megatron_mea import router_outside_stock
+
     if not config.num_moe_experts:
         return None
     return router_outside_stock(config)
@@ -301,6 +303,8 @@ def description_from_hf(
             moe_router_pre_softmax=fam.name == "qwen3_moe" and not config.norm_topk_prob,
         )
         if native and getattr(config, "moe_router_score_function", None) is not None:
+            from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS
+
             fields.update({name: getattr(config, name) for name in ROUTER_FIELDS})
     unknown = sorted(set(fields) - _ARG_FIELDS)
     if unknown:

@@ -23,7 +23,6 @@ import torch
 from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 from megatron_mea.checkpoint.hf.config import (
     NATIVE_PREFIX,
-    ROUTER_FIELDS,
     VARIANT_FIELDS,
     byte_level_run,
     dtype_name,
@@ -124,6 +123,7 @@ def _build_config(fam, fields: dict, config, fmt: str):
         if fmt == "plain":
             return AutoConfig.for_model(fam.name, **fields)
         from megatron_mea.hf import CONFIGS, MODELS  # registers the native model types
+        from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS
 
         model_type = NATIVE_PREFIX + fam.name
         # Every variant field, as the config resolved it: the modeling code has no defaults of

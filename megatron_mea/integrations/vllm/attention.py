@@ -47,6 +47,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
+from megatron_mea.hf.modeling_megatron_mea import before_mix
 from megatron_mea.ops.decode import CacheKind, inverse_rms
 
 logger = logging.getLogger(__name__)
@@ -229,12 +230,7 @@ class VariantAttention(nn.Module):
         """`hidden_states [T, h]` -> `[T, h]`."""
         tokens, hn = hidden_states.shape[0], self.head_dim
         query, key, value = self._project(hidden_states)  # [T, heads, hn] each
-        if self.knock is not None:
-            query, key, value = self.knock(query, key, value)
-        if self.q_norm is not None:
-            query = self.q_norm(query)
-        if self.key_norm_before_mix:
-            key = self.k_norm(key)
+        query, key, value = before_mix(self, query, key, value)
         if self.cache_kind is CacheKind.COMPOSITES:
             output = self._attend_composites(positions, query, key, value)
         else:
