@@ -26,24 +26,24 @@ __all__ = ["build_model", "free_port", "initialize", "transformer_config"]
 
 
 def transformer_config(
-    args: RunArgs, world_size: int = 1, on_gpu: Optional[bool] = None, *, meta: bool = False
+    args: RunArgs, on_gpu: Optional[bool] = None, *, meta: bool = False
 ) -> MEATransformerConfig:
     """Translate the run's arguments into an `MEATransformerConfig` (validates the variant).
 
     Build it once per run or conversion and pass it down: every construction validates again.
 
     Args:
-        args: the run's arguments.
-        world_size: the number of processes.
+        args: the run's arguments (the config does not depend on the number of processes or
+            on the vocabulary: the model builder takes those).
         on_gpu: pick the fusions for a CUDA run (see `megatron_mea.fusions`). Default: whether
             CUDA is available; tests pass True to build a GPU run's exact configuration on CPU.
         meta: for a model on the meta device (`build_model(..., placement="meta")`): CPU
             initialisation that draws no weights. Default: False.
     """
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    architecture = config_fields(args)
+    fusions = fusion_settings(on_gpu, args.normalization)
     fields = dict(
-        **architecture,
+        **config_fields(args),
         **parallel_sizes(args),
         # Megatron-LM's defaults: the interleaved schedule overlaps its p2p transfers (which
         # also lets two pipeline ranks exchange several tensors per step); the others batch them.
@@ -55,7 +55,7 @@ def transformer_config(
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         fp8=args.fp8_format,
         fp8_recipe=args.fp8_recipe,
-        **fusion_settings(on_gpu, architecture["normalization"]),
+        **fusions,
     )
     if meta:
         fields.update(use_cpu_initialization=True, perform_initialization=False)
