@@ -41,9 +41,9 @@ def transformer_config(
             initialisation that draws no weights. Default: False.
     """
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
-    fusions = fusion_settings(on_gpu, args.normalization)
+    architecture = config_fields(args)
     fields = dict(
-        **config_fields(args),
+        **architecture,
         **parallel_sizes(args),
         # Megatron-LM's defaults: the interleaved schedule overlaps its p2p transfers (which
         # also lets two pipeline ranks exchange several tensors per step); the others batch them.
@@ -55,7 +55,7 @@ def transformer_config(
         pipeline_dtype=torch.bfloat16 if args.bf16 else torch.float32,
         fp8=args.fp8_format,
         fp8_recipe=args.fp8_recipe,
-        **fusions,
+        **fusion_settings(on_gpu, architecture["normalization"]),
     )
     if meta:
         fields.update(use_cpu_initialization=True, perform_initialization=False)
