@@ -26,15 +26,15 @@ __all__ = ["build_model", "free_port", "initialize", "transformer_config"]
 
 
 def transformer_config(
-    args: RunArgs, world_size: int = 1, on_gpu: Optional[bool] = None, *, meta: bool = False
+    args: RunArgs, on_gpu: Optional[bool] = None, *, meta: bool = False
 ) -> MEATransformerConfig:
     """Translate the run's arguments into an `MEATransformerConfig` (validates the variant).
 
     Build it once per run or conversion and pass it down: every construction validates again.
 
     Args:
-        args: the run's arguments.
-        world_size: the number of processes.
+        args: the run's arguments (the config does not depend on the number of processes or
+            on the vocabulary: the model builder takes those).
         on_gpu: pick the fusions for a CUDA run (see `megatron_mea.fusions`). Default: whether
             CUDA is available; tests pass True to build a GPU run's exact configuration on CPU.
         meta: for a model on the meta device (`build_model(..., placement="meta")`): CPU

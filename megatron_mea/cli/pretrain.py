@@ -35,10 +35,10 @@ def main(argv=None) -> int:
     """
     # Megatron-Core's INFO records go to the run's log file (`--save`/mea-pretrain.log) only.
     configure_console("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
 
     try:
-        args = parse_args(argv)
+        args, config = parse_run(argv)
     except ValueError as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2
@@ -54,7 +54,7 @@ def main(argv=None) -> int:
     from megatron_mea.training.run_dir import RunDirectoryError
 
     try:
-        pretrain(args)
+        pretrain(args, config)
     except (CheckpointError, RunDirectoryError, DatasetError) as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2

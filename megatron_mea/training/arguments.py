@@ -9,12 +9,15 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import List, Literal, Optional
+from typing import TYPE_CHECKING, List, Literal, Optional, Tuple
 
 from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.model_args import ModelArgs, RunArgs
 from megatron_mea.run_config import CUSTOM_TYPES, base_type, load_yaml
 from megatron_mea.variant import AttentionVariantFields, attribute_docs
+
+if TYPE_CHECKING:
+    from megatron_mea.config import MEATransformerConfig
 
 
 @dataclass
@@ -174,20 +177,30 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: Optional[List[str]] = None) -> PretrainArgs:
     """YAML (if `--config`) overridden by command-line flags, then validated."""
+    return parse_run(argv)[0]
+
+
+def parse_run(argv: Optional[List[str]] = None) -> Tuple[PretrainArgs, "MEATransformerConfig"]:
+    """`parse_args`, and the run's `MEATransformerConfig` that validation built: the one config
+    of the run, for `pretrain(args, config)`."""
     namespace = vars(build_parser().parse_args(argv))
     values = load_yaml(namespace.pop("config"), PretrainArgs) if "config" in namespace else {}
     values.update(namespace)
     args = PretrainArgs(**values)
-    validate(args)
-    return args
+    return args, validate(args)
 
 
 def validate(args: PretrainArgs, world_size: Optional[int] = None):
     """Check everything that can be checked before launch; ValueError names the flag.
 
+    Args:
+        args: the run's arguments.
+        world_size: the number of processes the layout must divide. Default: `WORLD_SIZE`
+            (torchrun's), else 1.
+
     Returns:
         The run's `MEATransformerConfig`, built to validate the architecture and the variant
-        (a caller that builds the model can pass it down instead of building another).
+        (a caller that builds the model passes it down instead of building another).
     """
     world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     _validate_choices(args)
@@ -274,7 +287,7 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None):
     # The model config validates the architecture and the variant fields (without any process).
     from megatron_mea.gpt import transformer_config
 
-    config = transformer_config(args, world_size=world_size)
+    config = transformer_config(args)
     # After the architecture's own checks (a head count TP cannot split is the first thing to
     # fix); Megatron-Core's MoE layer refuses this only at the first training forward.
     if args.num_experts and args.tensor_model_parallel_size > 1 and not args.sequence_parallel:

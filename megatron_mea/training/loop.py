@@ -12,11 +12,15 @@ import os
 import signal
 import time
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
@@ -28,21 +32,20 @@ from megatron_mea.checkpoint.torch_dist.checks import (
 )
 from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
 from megatron_mea.compat import batch_on_this_cp_rank
+from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
-from megatron_mea.gpt import build_model, initialize, transformer_config
+from megatron_mea.gpt import initialize
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.run_config import save_config
 from megatron_mea.training import checkpointing, processes, run_dir
-from megatron_mea.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
+from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.training.batches import MicroBatches
-from megatron_mea.training.model import build_optimizer, build_scheduler, wrap_ddp
 from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
+from megatron_mea.training.setup import build_chunks, claim_run_directories, run_settings
 from megatron_mea.training.signals import ExitSignalHandler
 from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 
 logger = logging.getLogger(__name__)
-
-AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 
 class TrainingStopped(RuntimeError):
@@ -106,11 +109,19 @@ def _mean_over_data_parallel(loss_dicts) -> float:
 
 
 class Trainer:
-    """One pretraining run: build, (resume,) train, evaluate, checkpoint."""
+    """One pretraining run: build, (resume,) train, evaluate, checkpoint.
 
-    def __init__(self, args: PretrainArgs):
+    Args:
+        args: the run's validated arguments.
+        config: the run's config, as validation built it (`parse_run`). Default: None, built
+            from `args`.
+    """
+
+    def __init__(self, args: PretrainArgs, config: Optional[MEATransformerConfig] = None):
         require_cpu_patches("Trainer")
         self.args = args
+        # Before any process: every value the run derives from its arguments, once.
+        self.settings = run_settings(args, config)
         initialize(args, timeout_minutes=args.distributed_timeout_minutes)
         self.heartbeat, self.save_lock, self.run_log = None, None, None
         # What failed on this rank in the step just done (the ranks agree on it after the step).
@@ -121,7 +132,7 @@ class Trainer:
             if dist.get_world_size() > 1:  # names a peer that stops answering
                 self.heartbeat = Heartbeat(args.distributed_timeout_minutes).start()
             # Before anything is built: one writer per --save, no silent fresh start over a run.
-            self.save_lock, loads = _claim_run_directories(args)
+            self.save_lock, loads = claim_run_directories(args)
             # Only now: a run refused above leaves no log file in a directory not its own.
             if args.save and dist.get_rank() == 0:
                 self.run_log = run_dir.attach_run_log(args.save)
@@ -137,25 +148,34 @@ class Trainer:
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         if args.vocab_size is None:
             args.vocab_size = self.tokenizer.vocab_size
-        if args.data_path and not args.mock_data:
-            # Data tokenized for a larger vocabulary: named before the model is built (the
-            # embedding would fail at the first batch holding such an id).
+        settings = self.settings
+        # What a checkpoint of this run records of its data (the vocabulary resolved above).
+        self.data_settings = data_settings(args)
+        # Data tokenized for a larger vocabulary: named before the model is built (the
+        # embedding would fail at the first batch holding such an id). The files as checked
+        # are the files watched: one changed later is named before a micro-batch reads it.
+        self.data_watch = None
+        if settings.data_prefixes:
             from megatron_mea.data.checks import check_token_ids
+            from megatron_mea.data.identity import DataWatch
 
-            for prefix in dataset_prefixes(args.data_path):
-                check_token_ids(prefix, args.vocab_size, data_cache_dir(args))
+            for prefix in settings.data_prefixes:
+                check_token_ids(prefix, args.vocab_size, settings.data_cache)
+            self.data_watch = DataWatch(settings.data_prefixes)
         self.rank = dist.get_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
-        self.config = transformer_config(args, dist.get_world_size())
-        # One model chunk per virtual pipeline stage (one without interleaving), as Megatron-LM.
+        self.config = settings.config
+        # Bucketing for the first chunk only, as Megatron-LM does.
         self.model = [
-            wrap_ddp(args, self.config, chunk, disable_bucketing=index > 0)
-            for index, chunk in enumerate(self._build_chunks())
+            DistributedDataParallel(self.config, settings.ddp, chunk, disable_bucketing=index > 0)
+            for index, chunk in enumerate(build_chunks(args, self.config))
         ]
         with cuda_device_to_cpu():
-            self.optimizer = build_optimizer(args, self.model)
-        self.scheduler = build_scheduler(args, self.optimizer)
+            self.optimizer = get_megatron_optimizer(
+                settings.optimizer, self.model, config_overrides=settings.optimizer_overrides
+            )
+        self.scheduler = OptimizerParamScheduler(self.optimizer, **settings.schedule)
         no_sync = [chunk.no_sync for chunk in self.model]
         self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         # Folded projections (MEA's `weights` exchange, `kha_fold_linear`) fold once per step;
@@ -174,7 +194,7 @@ class Trainer:
                     args.load, self.modules, self.optimizer, self.scheduler,
                     load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                     use_distributed_optimizer=args.use_distributed_optimizer,
-                    iteration=args.ckpt_step, data_settings=data_settings(args),
+                    iteration=args.ckpt_step, data_settings=self.data_settings,
                     override_data_settings=args.override_checkpoint_data_settings,
                 )
             except ModelMismatchError as exc:
@@ -182,19 +202,18 @@ class Trainer:
                 # run's config.yaml names the setting.
                 raise explain_model_mismatch(args.load, args, exc) from None
             self.last_checkpoint = (args.load, self.iteration)
-        eval_runs = args.train_iters // args.eval_interval + 1
         build = partial(
             build_gpt_datasets,
             args.data_path,
             args.split,
             args.seq_length,
             self.tokenizer,
-            args.train_iters * args.global_batch_size,
-            eval_runs * args.eval_iters * args.global_batch_size,
+            settings.train_samples,
+            settings.eval_samples,
             0,
             args.seed,
             args.mock_data,
-            data_cache_dir(args),
+            settings.data_cache,
         )
         # Rank 0 writes the dataset index caches; the others read them.
         if self.rank == 0:
@@ -203,12 +222,6 @@ class Trainer:
         if self.rank != 0:
             datasets = build()
         self.train_data, self.valid_data = datasets[0], datasets[1]
-        # A file changed under the run is named before a micro-batch reads it.
-        self.data_watch = None
-        if args.data_path and not args.mock_data:
-            from megatron_mea.data.identity import DataWatch
-
-            self.data_watch = DataWatch(dataset_prefixes(args.data_path))
         if args.eval_iters == 0:
             self.valid_data = None  # no evaluation
         self.train_batches = self._batches(self.train_data, consumed)
@@ -217,13 +230,7 @@ class Trainer:
         self.forward_backward_func = get_forward_backward_func()
         self.telemetry = GpuTelemetry()
         self.tensorboard = TensorBoard(args.tensorboard_dir if self.rank == 0 else None)
-        self.moe_track_names = (
-            ["load_balancing_loss"]
-            if args.num_experts
-            and args.moe_router_load_balancing_type in AUX_LOSS_TYPES
-            and args.moe_aux_loss_coeff > 0
-            else []
-        )
+        self.moe_track_names = settings.moe_track_names
         if args.save and self.rank == 0:
             save_config(args, args.save)
 
@@ -239,25 +246,6 @@ class Trainer:
         if self.save_lock is not None:
             self.save_lock.release()
             self.save_lock = None
-
-    def _build_chunks(self) -> list:
-        """This rank's model: its pipeline stage, as one chunk per virtual pipeline stage."""
-        vp_size = self.args.virtual_pipeline_model_parallel_size
-        if vp_size is None:
-            return [build_model(
-                self.args, self.config,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-            )]
-        return [
-            build_model(
-                self.args, self.config,
-                pre_process=parallel_state.is_pipeline_first_stage(False, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(False, vp_stage=stage),
-                vp_stage=stage,
-            )
-            for stage in range(vp_size)
-        ]
 
     @property
     def modules(self) -> list:
@@ -518,7 +506,7 @@ class Trainer:
                 self.consumed_samples,
                 use_distributed_optimizer=self.args.use_distributed_optimizer,
                 fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
-                data_settings=data_settings(self.args),
+                data_settings=self.data_settings,
                 megatron_lm_args=megatron_lm_arguments(
                     self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
                 ),
@@ -556,31 +544,20 @@ class Trainer:
             (progress.write if progress is not None else logger.info)(line)
 
 
-def pretrain(args: PretrainArgs) -> list:
-    """Run a whole pretraining job; returns the history of this process's steps."""
+def pretrain(args: PretrainArgs, config: Optional[MEATransformerConfig] = None) -> list:
+    """Run a whole pretraining job; returns the history of this process's steps.
+
+    Args:
+        args: the run's validated arguments.
+        config: the run's config, as validation built it (`parse_run`). Default: None, built
+            from `args`.
+    """
     try:
-        trainer = Trainer(args)
+        trainer = Trainer(args, config)
         try:
             return trainer.train()
         finally:
             trainer.close()
     finally:
         parallel_state.destroy_model_parallel()
-
-
-def _claim_run_directories(args: PretrainArgs):
-    """(lock on --save or None, whether --load has a checkpoint to load): rank 0 checks and
-    locks, every rank raises the same RunDirectoryError (one line) if it refuses."""
-    lock, loads, problem, unreadable = None, False, None, False
-    if dist.get_rank() == 0:
-        try:
-            lock, loads = run_dir.claim_run_directories(args)
-        except (run_dir.RunDirectoryError, checkpointing.CheckpointError) as exc:
-            problem, unreadable = str(exc), isinstance(exc, checkpointing.CheckpointError)
-    verdict = [(loads, problem, unreadable)]
-    dist.broadcast_object_list(verdict, src=0)
-    loads, problem, unreadable = verdict[0]
-    if problem:
-        raise (checkpointing.CheckpointError if unreadable else run_dir.RunDirectoryError)(problem)
-    return lock, loads
 

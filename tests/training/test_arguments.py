@@ -136,3 +136,24 @@ def test_virtual_pipeline_size_and_the_interleaved_schedule_s_micro_batches(monk
                                          r"by num_layers_per_virtual_pipeline_stage \(2\)"):
         parse_args(["--num-layers", "6", "--pipeline-model-parallel-size", "2",
                     "--num-layers-per-virtual-pipeline-stage", "2", *MOCK])
+
+
+def test_mea_pretrain_builds_the_run_config_once_and_passes_it_down(monkeypatch):
+    from megatron_mea import gpt
+    from megatron_mea.cli.pretrain import main
+    from megatron_mea.training import loop
+    from megatron_mea.training.setup import run_settings
+
+    built, received = [], []
+
+    def counting(*args, **kwargs):
+        built.append(real(*args, **kwargs))
+        return built[-1]
+
+    real = gpt.transformer_config
+    monkeypatch.setattr(gpt, "transformer_config", counting)
+    monkeypatch.setattr(loop, "pretrain", lambda args, config: received.append((args, config)))
+    assert main(MOCK) == 0
+    (args, config), = received
+    assert built == [config] and built[0] is config  # validation's config, not a second one
+    assert run_settings(args, config).config is config
