@@ -17,6 +17,7 @@ from megatron_mea.checkpoint.hf.fields import (
     NOT_CARRIED,
     NOT_MODEL,
     of_family,
+    settings_left_out,
 )
 from megatron_mea.checkpoint.torch_dist.model_only import ConversionError, ModelDescription
 from megatron_mea.model_args import ModelArgs, RunArgs
@@ -115,3 +116,10 @@ def test_a_pattern_of_every_nth_layer_comes_back_as_moe_layer_freq_n():
     assert fields["mlp_only_layers"] == [1, 3]
     back = description_from_hf(_config_class("qwen3_moe")(**fields))
     assert back.args.moe_layer_freq == 2
+
+
+def test_training_settings_no_config_has_are_named():
+    args = RunArgs(hidden_dropout=0.1, moe_router_load_balancing_type="seq_aux_loss")
+    assert settings_left_out(args) == [
+        "hidden_dropout=0.1", "moe_router_load_balancing_type='seq_aux_loss'"]
+    assert settings_left_out(RunArgs(moe_token_dispatcher_type="allgather")) == []

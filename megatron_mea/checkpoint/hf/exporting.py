@@ -32,6 +32,7 @@ from megatron_mea.checkpoint.hf.config import (
     split_model_type,
     stock_limits,
 )
+from megatron_mea.checkpoint.hf.fields import settings_left_out
 from megatron_mea.checkpoint.hf.files import HFWriter, copy_tokenizer, load_hf_config
 from megatron_mea.checkpoint.hf.importing import plan_rules, qkv_layout
 from megatron_mea.checkpoint.torch_dist.model_only import (
@@ -210,6 +211,10 @@ def export_hf_checkpoint(
                 "head norm (folded to plain q/k/v) or compress all layers"
             )
     fam, fields = hf_config_dict(description, limits)
+    left_out = settings_left_out(description.args)
+    if left_out:
+        logger.warning("the %s config has no field for %s: a model imported from this export "
+                       "trains with the defaults", fam.name, ", ".join(left_out))
     if reference_fields:
         _check_reference(reference, reference_fields, fields)
     _build_config(fam, fields, config, fmt)  # refuse a bad config before any tensor is written

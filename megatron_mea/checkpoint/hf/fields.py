@@ -10,7 +10,9 @@ Every field of a supported family's transformers config class is in one of:
 - `NOT_MODEL`: it says nothing of the model's function or of its training (kept as the
   template has it).
 `NOT_CARRIED` names the model and training fields of `ModelArgs` that no family's config has
-(an import gives them their defaults; the variant's fields travel in native configs only).
+(an import gives them their defaults, and an export names the training settings among them that
+are not at their defaults: `settings_left_out`; the variant's fields travel in native configs
+only).
 `tests/checkpoint/test_hf_fields.py` holds the tables against the transformers classes and
 round-trips every carried field of every family.
 """
@@ -22,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron_mea.checkpoint.torch_dist.checks import ConversionError
-from megatron_mea.model_args import RunArgs, moe_layers_of_freq
+from megatron_mea.model_args import MODEL_FIELDS, RunArgs, declared, moe_layers_of_freq
 
 DENSE = ("llama", "qwen2", "qwen3")
 MOE = ("qwen3_moe", "mixtral")
@@ -247,6 +249,7 @@ NOT_MODEL: Dict[str, str] = {
     "sliding_window": "Qwen families: read only with use_sliding_window (refused); Mixtral: FIXED",
 }
 
+_SAME_STEP = "how a step is computed (the same step)"
 # `ModelArgs` fields no stock family's config has, with why (the variant's fields travel in
 # the native configs, `config.VARIANT_FIELDS`).
 NOT_CARRIED: Dict[str, str] = {
@@ -266,8 +269,8 @@ NOT_CARRIED: Dict[str, str] = {
     "moe_router_dtype": "a training setting no family has",
     "moe_router_load_balancing_type": "a training setting no family has (see "
                                       "output_router_logits)",
-    "moe_token_dispatcher_type": "a training setting no family has",
-    "moe_grouped_gemm": "a training setting no family has",
+    "moe_token_dispatcher_type": _SAME_STEP,
+    "moe_grouped_gemm": _SAME_STEP,
     "make_vocab_size_divisible_by": "Megatron's row padding; an import pads to 128 unless told",
 }
 
@@ -276,3 +279,13 @@ def of_family(table, fam_name: str):
     """The entries of `table` (`CARRIED` or `FIXED`) that apply to family `fam_name`."""
     return tuple(entry for entry in table
                  if entry.families is None or fam_name in entry.families)
+
+
+def settings_left_out(args: RunArgs) -> List[str]:
+    """`name=value` of each training or init setting of `args` that no family's config has
+    (`NOT_CARRIED`), that changes what training computes and that differs from its default: an
+    import of the export trains without it."""
+    defaults = RunArgs()
+    return [f"{name}={getattr(args, name)!r}" for name, why in NOT_CARRIED.items()
+            if name in MODEL_FIELDS and declared(name).metadata["scope"] in ("init", "training")
+            and why != _SAME_STEP and getattr(args, name) != getattr(defaults, name)]
