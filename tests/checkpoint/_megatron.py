@@ -6,7 +6,7 @@ import torch
 from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint, write_checkpoint
 from megatron_mea.checkpoint.torch_dist.model_only import (
     ModelDescription,
-    build_model,
+    build_stage_model,
     load_model_weights,
 )
 
@@ -15,7 +15,7 @@ def megatron_logits(root, ids, inference_context=None, **parallel):
     """Logits `[b, s, V]` (gathered over TP) of the model of checkpoint `root`, built for the
     current parallel state (`parallel`: PretrainArgs sizes matching it)."""
     description = ModelDescription.load(root)
-    model = build_model(description, **parallel).eval()
+    model = build_stage_model(description, **parallel).eval()
     load_model_weights(model, root)
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     with torch.no_grad():

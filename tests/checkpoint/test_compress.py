@@ -97,7 +97,7 @@ def test_probe_approximation_is_the_compressed_model(checkpoints, tmp_path):
     compressed = str(tmp_path / "nc2")
     compress_checkpoint(source, compressed, 2)
     description, _ = read_checkpoint(source)
-    config = description.transformer_config(meta=True)
+    config = description.config
     edited = rewrite_checkpoint(
         source, str(tmp_path / "approx"),
         lambda layer, t: t if layer < 0 else approximate_layer(t, layer, config, 2),
@@ -178,7 +178,7 @@ def test_compressing_a_subset_of_layers_keeps_the_others_exact(checkpoints, tmp_
     # Layer 0 is an exact reparametrisation: the model equals the source with only layer 1
     # approximated (the probe's in-place edit).
     description, _ = read_checkpoint(source)
-    config = description.transformer_config(meta=True)
+    config = description.config
     edited = rewrite_checkpoint(
         source, str(tmp_path / "approx"),
         lambda layer, t: approximate_layer(t, layer, config, 2) if layer == 1 else t,

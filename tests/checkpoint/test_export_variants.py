@@ -104,7 +104,7 @@ def test_native_config_carries_every_variant_field_as_the_training_config_resolv
     export_hf_checkpoint(source, out, format="native")
     with open(os.path.join(out, "config.json"), encoding="utf-8") as handle:
         written = json.load(handle)
-    config = ModelDescription.load(source).transformer_config(meta=True)
+    config = ModelDescription.load(source).config
     assert config.kha_variant == "mlp"
     for name in VARIANT_FIELDS:
         value = getattr(config, name)

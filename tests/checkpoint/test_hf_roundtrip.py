@@ -87,7 +87,7 @@ def _tp2_logits_and_pp2_parameters(rank, world_size, cases, pp_root):
 
     from megatron_mea.checkpoint.torch_dist.model_only import (
         ModelDescription,
-        build_model,
+        build_stage_model,
         load_model_weights,
     )
     from tests._models import expert_tp_size, init_parallel
@@ -101,7 +101,7 @@ def _tp2_logits_and_pp2_parameters(rank, world_size, cases, pp_root):
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
-    model = build_model(ModelDescription.load(pp_root), pipeline_model_parallel_size=2)
+    model = build_stage_model(ModelDescription.load(pp_root), pipeline_model_parallel_size=2)
     load_model_weights(model, pp_root)
     # One layer per stage: local layer 0 is global layer `rank`.
     params = {
@@ -174,23 +174,28 @@ def test_padded_vocabulary_round_trips_and_keeps_the_logits(checkpoints, tmp_pat
     ("qwen3_moe", {"mea_head_norm": True}),  # MEA with the head norm: the native format
 ], ids=["qwen3", "mixtral", "qwen3_moe", "qwen3_moe-native"])
 def test_training_settings_survive_export_and_import(checkpoints, tmp_path, family, options):
-    """Every training setting an HF config has a field for (HF_TRAINING_FIELDS) comes back from
-    export then import: continued pretraining trains as the run did (the MoE aux-loss
-    coefficient came back as transformers' default 0.001, ten times smaller than 0.01)."""
+    """Every training setting an HF config has a field for (the carried fields of scope
+    "init" or "training") comes back from a real export then import: continued pretraining
+    trains as the run did (the MoE aux-loss coefficient came back as transformers' default
+    0.001, ten times smaller than 0.01)."""
     import shutil
 
     import yaml
 
-    from megatron_mea.checkpoint.hf.config import HF_TRAINING_FIELDS
+    from megatron_mea.checkpoint.hf.fields import CARRIED, of_family
     from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
+    from megatron_mea.model_args import MODEL_FIELDS, declared
 
     run = str(tmp_path / "run")
     variant = "mea" if options else "standard"
     shutil.copytree(checkpoints.imported(family, variant, **options), run)
-    moe = family != "qwen3"
+    training = [name for carried in of_family(CARRIED, family) for name in carried.run
+                if name in MODEL_FIELDS
+                and declared(name).metadata["scope"] in ("init", "training")]
+    assert "init_method_std" in training and ("moe_aux_loss_coeff" in training) == (
+        family != "qwen3")
     # Values no default has, one per field.
-    wanted = {name: 0.0125 * (index + 1) for index, (name, _, moe_only)
-              in enumerate(HF_TRAINING_FIELDS) if moe or not moe_only}
+    wanted = {name: 0.0125 * (index + 1) for index, name in enumerate(training)}
     config_path = os.path.join(run, "config.yaml")
     with open(config_path) as handle:
         saved = yaml.safe_load(handle)

@@ -26,11 +26,12 @@ from megatron_mea.checkpoint.hf.config import (
     VARIANT_FIELDS,
     byte_level_run,
     dtype_name,
+    StockLimits,
     hf_config_dict,
-    needs_native_qwen3_moe,
-    non_stock_router,
     split_model_type,
+    stock_limits,
 )
+from megatron_mea.checkpoint.hf.fields import settings_left_out
 from megatron_mea.checkpoint.hf.files import HFWriter, copy_tokenizer, load_hf_config
 from megatron_mea.checkpoint.hf.importing import plan_rules, qkv_layout
 from megatron_mea.checkpoint.torch_dist.model_only import (
@@ -51,19 +52,20 @@ FORMATS = ("auto", "plain", "native")
 _NATIVE_FILES = ("configuration_megatron_mea.py", "modeling_megatron_mea.py")
 
 
-def choose_format(config, requested: str = "auto") -> str:
-    """`plain` or `native` for a model with `config` (a `MEATransformerConfig`)."""
+def choose_format(description: ModelDescription, limits: StockLimits,
+                  requested: str = "auto") -> str:
+    """`plain` or `native` for the model of `description` (`limits`: its `stock_limits`)."""
+    config = description.config
     if requested not in FORMATS:
         raise ValueError(f"format ({requested!r}) must be one of {FORMATS}")
-    router = non_stock_router(config)
-    if router and requested == "plain":
+    if limits.router and requested == "plain":
         raise ConversionError(
-            f"{router[0]} ({router[1]!r}): no stock transformers family routes this way; use "
+            f"{limits.router}: no stock transformers family routes this way; use "
             "format 'native' (megatron_mea.hf's MegatronRouter)"
         )
-    if router:
+    if limits.router:
         return "native"
-    unsaid = needs_native_qwen3_moe(config)
+    unsaid = limits.native_qwen3_moe
     if unsaid and requested == "plain":
         raise ConversionError(
             f"{unsaid}: without qk_layernorm the stock MoE family is Mixtral, which cannot say "
@@ -199,22 +201,27 @@ def export_hf_checkpoint(
     reference_fields = _reference_config(reference) if reference else None
     if reference_fields:
         description.hf_config = reference_fields
-    config = description.transformer_config(meta=True)  # the one of this export, passed down
-    fmt = choose_format(config, format)
+    config = description.config
+    limits = stock_limits(description)  # read by the format and the family's checks
+    fmt = choose_format(description, limits, format)
     for name in ("mea_num_kv_components_per_layer", "attention_variant_per_layer"):
         if fmt == "native" and getattr(config, name, None) is not None:
             raise ConversionError(
                 f"{name}: a native export has one setting for all layers; export without the "
                 "head norm (folded to plain q/k/v) or compress all layers"
             )
-    fam, fields = hf_config_dict(description, config)
+    fam, fields = hf_config_dict(description, limits)
+    left_out = settings_left_out(description.args)
+    if left_out:
+        logger.warning("the %s config has no field for %s: a model imported from this export "
+                       "trains with the defaults", fam.name, ", ".join(left_out))
     if reference_fields:
         _check_reference(reference, reference_fields, fields)
     _build_config(fam, fields, config, fmt)  # refuse a bad config before any tensor is written
     started = time.perf_counter()
     with staged_directory(save_dir) as staged:
-        saved_dtype = _write_weights(load_dir, staged, description, config, fam, fmt, dtype,
-                                     iteration, max_shard_bytes)
+        saved_dtype = _write_weights(load_dir, staged, description, fam, fmt, dtype, iteration,
+                                     max_shard_bytes)
         fields["dtype"] = dtype_name(dtype or saved_dtype)
         _write_config(staged, _build_config(fam, fields, config, fmt), fmt)
         args = description.args
@@ -226,16 +233,16 @@ def export_hf_checkpoint(
     return fmt
 
 
-def _write_weights(load_dir, save_dir, description, config, fam, fmt, dtype, iteration,
+def _write_weights(load_dir, save_dir, description, fam, fmt, dtype, iteration,
                    max_shard_bytes) -> torch.dtype:
     """Stream the checkpoint's tensors through the family's export rules into safetensors
-    shards under `save_dir` (`config`: the model's `transformer_config(meta=True)`); returns the
-    checkpoint's dtype."""
+    shards under `save_dir`; returns the checkpoint's dtype."""
     started = time.perf_counter()
+    config = description.config
     with converter_process():
         native = fmt == "native"
-        rules = plan_rules(description, config, expected_shapes(description, config), native, fam)
-        layout = qkv_layout(description, config, None if native else config.num_query_groups)
+        rules = plan_rules(description, expected_shapes(description), native, fam)
+        layout = qkv_layout(description, None if native else config.num_query_groups)
         _, groups = read_checkpoint(load_dir, description, iteration)
         writer = HFWriter(save_dir, max_shard_bytes)
         saved_dtype = None

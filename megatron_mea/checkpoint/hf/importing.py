@@ -5,7 +5,7 @@ optional) or as KHA (identity transforms), for continued pretraining. The output
 TP / PP / EP (`mea-pretrain --config <out>/config.yaml --load <out> ...`).
 
 Streaming: tensors are read from the safetensors files one at a time and converted one layer at
-a time (see `dist_io` for what the writer keeps in memory).
+a time (see `torch_dist.layerwise` for what the writer keeps in memory).
 """
 
 import logging
@@ -34,16 +34,13 @@ from megatron_mea.checkpoint.torch_dist.model_only import (
 )
 from megatron_mea.checkpoint.torch_dist.output_dir import check_new_directory
 from megatron_mea.checkpoint.transforms.plugin_params import upcycle_init
-from megatron_mea.model_args import moe_layers
 
 logger = logging.getLogger(__name__)
 
 
-def qkv_layout(
-    description: ModelDescription, config, num_kv_heads: Optional[int] = None
-) -> Layout:
-    """Sizes of the `linear_qkv` layout of the model (K/V heads: MEA's nc, else ng); `config`:
-    `description.transformer_config(meta=True)`."""
+def qkv_layout(description: ModelDescription, num_kv_heads: Optional[int] = None) -> Layout:
+    """Sizes of the `linear_qkv` layout of the model (K/V heads: MEA's nc, else ng)."""
+    config = description.config
     if num_kv_heads is None:
         num_kv_heads = (
             config.mea_num_kv_components
@@ -59,13 +56,12 @@ def qkv_layout(
     )
 
 
-def plan_rules(description: ModelDescription, config, shapes: Dict, with_variant_params: bool,
+def plan_rules(description: ModelDescription, shapes: Dict, with_variant_params: bool,
                fam: Optional[Family] = None):
     """Rules of every tensor of the model, by layer (-1: embedding, final norm, output).
 
     Args:
         description: the model.
-        config: its `description.transformer_config(meta=True)`.
         shapes: its tensors' shapes (`expected_shapes`).
         with_variant_params: map the plugin's parameters too (the native format).
         fam: the HF family. Default: the one of `description.hf_config`.
@@ -74,12 +70,12 @@ def plan_rules(description: ModelDescription, config, shapes: Dict, with_variant
         layer -> the rules of its tensors (`hf_families.model_rules`).
 
     Raises:
-        ConversionError: a layer's tensors disagree with `moe_layers` (names the layer).
+        ConversionError: a layer's tensors disagree with `description.moe_layers` (names the
+            layer).
     """
     fam = fam or family((description.hf_config or {}).get("model_type", ""))
-    num_layers = config.num_layers
-    moe = moe_layers(description.args)
-    for layer, is_moe in enumerate(moe):
+    config = description.config
+    for layer, is_moe in enumerate(description.moe_layers):
         if (f"decoder.layers.{layer}.mlp.router.weight" in shapes) != is_moe:
             raise ConversionError(
                 f"layer {layer}: moe_layer_freq makes it {'an MoE' if is_moe else 'a dense'} "
@@ -93,8 +89,8 @@ def plan_rules(description: ModelDescription, config, shapes: Dict, with_variant
                     variant.setdefault(layer_of(name), []).append(param)
     return model_rules(
         fam,
-        num_layers,
-        list(moe),
+        config.num_layers,
+        list(description.moe_layers),
         config.num_moe_experts or 0,
         tied=not description.args.untie_embeddings_and_output_weights,
         variant_params=variant,
@@ -158,11 +154,10 @@ def import_hf_checkpoint(
     if dtype == torch.float32 and str(getattr(config, "dtype", "")).endswith("16"):
         logger.warning("storing the %s checkpoint in float32", getattr(config, "dtype", ""))
     reader = HFReader(hf_dir)
-    model_config = description.transformer_config(meta=True)  # the one of this conversion
     with converter_process():
-        shapes = expected_shapes(description, model_config)
-        layout = qkv_layout(description, model_config)
-        groups = plan_rules(description, model_config, shapes, with_variant_params=native)
+        shapes = expected_shapes(description)
+        layout = qkv_layout(description)
+        groups = plan_rules(description, shapes, with_variant_params=native)
 
         def produce():
             for layer in sorted(groups):

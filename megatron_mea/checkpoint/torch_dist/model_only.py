@@ -11,7 +11,7 @@ The converters name tensors as in `GPTModel.state_dict()` at TP=1 (local spec) a
 offsets and shapes from that model built on the meta device (`meta_model`); Megatron's
 dist-checkpointing reshards at load time, so one checkpoint loads at any TP / PP / EP. The
 common part records `parallel_layout={"model_only": True}`, which matches no run's layout, so the
-driver loads the model and starts a fresh optimizer. `dist_io` writes and reads the tensors.
+driver loads the model and starts a fresh optimizer. `layerwise` writes and reads the tensors.
 """
 
 import contextlib
@@ -41,10 +41,11 @@ from megatron_mea.checkpoint.torch_dist.checks import (
     verify_checkpoint,
 )
 from megatron_mea.checkpoint.megatron_lm.reading import common_state_types, megatron_lm_run_args
+from megatron_mea.config import MEATransformerConfig
 from megatron_mea.files import atomic_write
 from megatron_mea import gpt
 from megatron_mea.gpt import free_port, transformer_config
-from megatron_mea.model_args import MODEL_FIELDS, RunArgs
+from megatron_mea.model_args import MODEL_FIELDS, RunArgs, derived_sizes, moe_layers
 from megatron_mea.run_config import load_run_args, save_config
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ SINGLE_PROCESS_LAYOUT = dict(
 
 @dataclasses.dataclass
 class ModelDescription:
-    """Everything needed to rebuild the model of a checkpoint.
+    """Everything needed to rebuild the model of a checkpoint, with the facts that derive from
+    it answered once at construction (the converters read them instead of deriving again).
 
     Attributes:
         args: the model and what its checkpoint records of the run (`RunArgs`, from
@@ -83,17 +85,32 @@ class ModelDescription:
         hf_config: the Hugging Face `config.json` the model came from (a template for export).
         source: the Hugging Face directory it was imported from (tokenizer and generation
             files are copied from there on export).
+        resolved: `args` with every size left unset filled in (`derived_sizes`).
+        moe_layers: per 0-based layer, whether it is an MoE layer (`model_args.moe_layers`).
+        config: the model's `MEATransformerConfig` at the converters' layout
+            (`SINGLE_PROCESS_LAYOUT`, meta device); building it validates the model.
+
+    The derived fields follow `args` as it was at construction: for other arguments, make
+    another description (`dataclasses.replace(description, args=...)`).
     """
 
     args: RunArgs
     hf_config: Optional[Dict] = None
     source: Optional[str] = None
+    resolved: RunArgs = dataclasses.field(init=False, repr=False, compare=False)
+    moe_layers: Tuple[bool, ...] = dataclasses.field(init=False, repr=False, compare=False)
+    config: MEATransformerConfig = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.config = transformer_config(self.converter_args(), meta=True)
+        self.resolved = dataclasses.replace(self.args, **derived_sizes(self.args))
+        self.moe_layers = moe_layers(self.args)
 
     def transformer_config(self, meta: bool = False):
-        """The model's `MEATransformerConfig` (TP=PP=EP=1 on the meta device when `meta`, for
-        the converters). Build it once per conversion and pass it down."""
+        """The model's `MEATransformerConfig` at the run's recorded layout (validates the
+        parallel sizes); `meta`: the converters' `config` instead."""
         if meta:
-            return transformer_config(self.converter_args(), meta=True)
+            return self.config
         return transformer_config(self.args)
 
     def converter_args(self) -> RunArgs:
@@ -118,14 +135,12 @@ class ModelDescription:
             raise ConversionError(f"{root}: no such directory")
         path = os.path.join(root, "config.yaml")
         if not os.path.exists(path):
-            description = cls(megatron_lm_run_args(root))
             try:
-                description.transformer_config(meta=True)  # validates the model and variant
+                return cls(megatron_lm_run_args(root))  # builds the config: validates it
             except AssertionError as exc:  # Megatron-Core's own checks
                 raise ConversionError(
                     f"{root}: the saved arguments do not describe a model ({exc})"
                 ) from exc
-            return description
         args = load_run_args(path)
         payload = {}
         extra = os.path.join(root, CONVERSION_FILE)
@@ -178,17 +193,11 @@ def converter_process() -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def meta_model(description: ModelDescription, config=None) -> GPTModel:
-    """The TP=1 model of `description` on the meta device (no memory for its weights).
-
-    Args:
-        description: the model.
-        config: `description.transformer_config(meta=True)`, when the caller has it.
-    """
-    if config is None:
-        config = description.transformer_config(meta=True)
+def meta_model(description: ModelDescription) -> GPTModel:
+    """The TP=1 model of `description` on the meta device (no memory for its weights)."""
     return gpt.build_model(
-        description.converter_args(), config, core_attention="megatron", placement="meta"
+        description.converter_args(), description.config, core_attention="megatron",
+        placement="meta",
     )
 
 
@@ -213,9 +222,9 @@ def tensor_entries(sharded: Dict) -> Dict[str, object]:
     }
 
 
-def expected_shapes(description: ModelDescription, config=None) -> Dict[str, Tuple[int, ...]]:
-    """State-dict name -> shape of every tensor of the model (TP=1); `config` as `meta_model`."""
-    entries = tensor_entries(meta_model(description, config).sharded_state_dict())
+def expected_shapes(description: ModelDescription) -> Dict[str, Tuple[int, ...]]:
+    """State-dict name -> shape of every tensor of the model (TP=1)."""
+    entries = tensor_entries(meta_model(description).sharded_state_dict())
     return {name: tuple(entry.data.shape) for name, entry in entries.items()}
 
 
@@ -244,9 +253,10 @@ def load_model_weights(model, root: str, iteration: Optional[int] = None) -> Non
     model.load_state_dict(loaded["model"])
 
 
-def build_model(description: ModelDescription, **parallel) -> GPTModel:
-    """The real model of `description` for this rank (call inside an initialised parallel state),
-    built by `megatron_mea.gpt.build_model`.
+def build_stage_model(description: ModelDescription, **parallel) -> GPTModel:
+    """The real model of `description` for this rank's pipeline stage (call inside an
+    initialised parallel state: the stage and the sizes come from it), unwrapped, with the
+    recorded sizes overridden by `parallel`; built by `megatron_mea.gpt.build_model`.
 
     Args:
         description: the model.

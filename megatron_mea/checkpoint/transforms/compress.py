@@ -29,7 +29,7 @@ from megatron_mea.checkpoint.torch_dist.model_only import (
     ConversionError,
     SINGLE_PROCESS_LAYOUT,
     ModelDescription,
-    build_model,
+    build_stage_model,
     converter_process,
     load_model_weights,
 )
@@ -211,7 +211,7 @@ def compressed_description(
     """The description of the compressed model: MEA with `nc` components in `layers` (default
     all); the others stay standard attention (a baseline source) or MEA with `nc = ng` (an MEA
     source, an exact reparametrisation). `mea_key_norm_before_mix` makes it norm-then-mix."""
-    config = description.transformer_config(meta=True)
+    config = description.config
     if config.attention_variant == "kha":
         raise ConversionError("KV compression applies to baseline or MEA checkpoints, not KHA")
     if config.mea_key_norm_before_mix:
@@ -309,10 +309,10 @@ def compress_checkpoint(
     description = ModelDescription.load(load_dir)
     num_layers = description.args.num_layers
     selected = select_layers(layers, num_layers)
-    source_config = description.transformer_config(meta=True)
+    source_config = description.config
     target = compressed_description(description, num_kv_components, mea_head_norm, selected,
                                     mea_key_norm_before_mix)
-    target_config = target.transformer_config(meta=True)
+    target_config = target.config
     with converter_process():
         _, groups = read_checkpoint(load_dir, description, iteration)
 
@@ -396,7 +396,7 @@ def probe_layers(
     compressed_description(description, num_kv_components)  # validates nc
     layers = list(range(description.args.num_layers)) if layers is None else list(layers)
     with converter_process():
-        model = build_model(description, **SINGLE_PROCESS_LAYOUT).eval()
+        model = build_stage_model(description, **SINGLE_PROCESS_LAYOUT).eval()
         load_model_weights(model, load_dir, iteration)
         config = model.config
         params = dict(model.named_parameters())
