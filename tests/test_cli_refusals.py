@@ -42,18 +42,25 @@ def test_dry_run_help_is_its_own_and_megatrons_flags_are_behind_help_all(capsys)
     assert "--num-layers" in capsys.readouterr().out
 
 
-def test_dry_run_an_invalid_launch_is_a_refusal_one_line_and_exit_2(capsys):
+@pytest.mark.parametrize("extra, world_size, message", [
+    (["--pipeline-model-parallel-size", "3"], "3",
+     "--num-layers (4) must be divisible by --pipeline-model-parallel-size (3)"),
+    # Megatron-LM divides by it while filling defaults: a ZeroDivisionError traceback before
+    (["--tensor-model-parallel-size", "0"], "1",
+     "--tensor-model-parallel-size must be at least 1, got 0"),
+])
+def test_dry_run_an_invalid_launch_is_a_refusal_one_line_and_exit_2(extra, world_size, message,
+                                                                     capsys):
     from megatron_mea.cli.dry_run import main
 
     flags = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
              "--seq-length", "512", "--max-position-embeddings", "512", "--micro-batch-size", "1",
-             "--train-iters", "10", "--mock-data", "--pipeline-model-parallel-size", "3"]
+             "--train-iters", "10", "--mock-data"] + extra
     with pytest.raises(SystemExit) as exc:
-        main(["--world-size", "3", "--"] + flags)
+        main(["--world-size", world_size, "--"] + flags)
     assert exc.value.code == 2
     out, err = capsys.readouterr()
-    assert out == "" and err == ("mea-dry-run: error: --num-layers (4) must be divisible by "
-                                 "--pipeline-model-parallel-size (3)\n")
+    assert out == "" and err == f"mea-dry-run: error: {message}\n"
 
 
 def test_model_size_help_shows_its_own_flags_first_megatrons_behind_help_all(capsys):
@@ -74,3 +81,18 @@ def test_model_size_help_shows_its_own_flags_first_megatrons_behind_help_all(cap
     assert help_all.startswith(help_text)  # the tool's own help first, then the passthrough
     last_own = max(help_all.index(f"  {flag}") for flag in own_flags)
     assert last_own < help_all.index("  --num-layers") < help_all.index("  --attention-variant")
+
+
+def test_model_size_refuses_a_model_training_would_refuse(capsys):
+    # It sized this model before: the config's checks did not run.
+    from megatron_mea.cli.model_size import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--num-layers", "2", "--hidden-size", "256", "--num-attention-heads", "4",
+              "--vocab-size", "1000", "--attention-variant", "mea",
+              "--mea-num-kv-components", "3"])
+    assert exc.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(
+        "mea-model-size: error: mea_num_kv_components (3) must divide num_attention_heads (4)")
+    assert len(err.splitlines()) == 1

@@ -10,7 +10,8 @@ script's argument set can be sized directly:
         --vocab-size 128256 --attention-variant mea --mea-num-kv-components 2
 
 `--help` lists the tool's own flags; `--help-all` adds Megatron-LM's and the plugin's after them.
-Exit status: 0 printed; 2 a flag refused (one line, `mea-model-size: error: ...`).
+Exit status: 0 printed; 2 a flag or a model training would refuse (the config's own checks; one
+line, `mea-model-size: error: ...`).
 
 The arithmetic (and what is counted) is documented in `megatron_mea/model_size.py`.
 """
@@ -23,6 +24,7 @@ from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.integrations.args import add_mea_args
 from megatron_mea.integrations.dry_run import DEFAULT_VOCAB_SIZE, padded_vocab_size
 from megatron_mea.integrations.mlm_flags import build_parser as megatron_lm_parser
+from megatron_mea.model_args import config_fields
 from megatron_mea.model_size import ModelShape, model_size
 
 PROG = "mea-model-size"
@@ -87,6 +89,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def checked_shape(args: argparse.Namespace) -> ModelShape:
+    """The model of `args`, refused (one line, exit 2) where training would refuse it: the
+    config's own checks run, so an impossible model (`nc` not dividing the heads, say) is not
+    sized."""
+    from megatron_mea.config import MEATransformerConfig
+
+    try:
+        shape = ModelShape.from_args(args)
+        MEATransformerConfig(**config_fields(shape))
+    except (ValueError, AssertionError, NotImplementedError) as err:
+        build_parser().error(str(err).splitlines()[0] if str(err) else type(err).__name__)
+    return shape
+
+
 def main(argv=None) -> int:
     """Print the sizes of the model the flags describe (a table, or JSON with `--json`).
 
@@ -94,10 +110,10 @@ def main(argv=None) -> int:
         argv: the arguments. Default: `sys.argv[1:]`.
 
     Returns:
-        The exit status: 0 (a refused flag exits with 2 from the parser, one line).
+        The exit status: 0 (a refused flag or model exits with 2 from the parser, one line).
     """
     args = parse_args(argv)
-    shape = ModelShape.from_args(args)
+    shape = checked_shape(args)
     size = model_size(shape, bytes_per_element=args.kv_bytes_per_element)
     if args.json:
         print(json.dumps(size, indent=1))

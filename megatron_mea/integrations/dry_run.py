@@ -72,6 +72,20 @@ def training_parser(tag: str = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Sizes Megatron-LM multiplies and divides by before it checks them: below 1, its defaults and
+# divisibility checks fail with a ZeroDivisionError instead of naming the flag.
+POSITIVE_SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                  "context_parallel_size", "expert_model_parallel_size",
+                  "expert_tensor_parallel_size", "micro_batch_size", "global_batch_size")
+
+
+def nonpositive_sizes(args: argparse.Namespace) -> list:
+    """Messages for each parallel or batch size given below 1 (None: left to its default)."""
+    return [f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            for name in POSITIVE_SIZES
+            if getattr(args, name) is not None and getattr(args, name) < 1]
+
+
 def _fill_megatron_defaults(args: argparse.Namespace, world_size: int) -> None:
     # The defaults Megatron-LM's validate_args derives (arguments.py, the same at both tags).
     args.world_size, args.rank = world_size, 0
@@ -262,6 +276,9 @@ def dry_run(argv: list, world_size: int, te_version: str = ASSUMED_TE_VERSION,
 
     tag = tag or installed_tag()
     args = parse_training_args(argv, tag)
+    errors = nonpositive_sizes(args)
+    if errors:
+        raise DryRunError("; ".join(errors))
     _fill_megatron_defaults(args, world_size)
     errors = check_launch(args)
     if errors:
