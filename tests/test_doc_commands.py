@@ -2,8 +2,8 @@
 ```console) of README.md and docs/*.md is one its tool takes.
 
 Each is parsed by that tool's own `main`, stopped once its parser has parsed (every flag exists,
-every value is present and of its type, every sub-command exists; no file is read and nothing
-starts); `mea-model-size` and `mea-dry-run` commands, under a second each, run to the end. A
+is written in full and has its value of its type, every sub-command exists; no file is read and
+nothing starts); `mea-model-size` and `mea-dry-run` commands, under a second each, run to the end. A
 command is a tool's when it starts with `mea-<tool>` or `python -m megatron_mea.cli.<module>`
 (after any `VAR=value`), or is `torchrun ... --no-python mea-<tool> ...` (the torchrun flags
 are not checked). Not checked here: other programs' commands (`make`, `bash scripts/...`, `pip`,
@@ -93,6 +93,9 @@ def test_a_doc_command_is_taken_by_its_tool(where, script, argv, monkeypatch, ca
     assert script in SCRIPTS, f"{where}: no console script {script}"
     module, function = SCRIPTS[script].split(":")
     main = getattr(importlib.import_module(module), function)
+    # No abbreviated flags: argparse would take `--save-int` for `--save-interval`, a doc
+    # command that breaks when a second flag starts the same way.
+    monkeypatch.setattr(argparse.ArgumentParser, "_get_option_tuples", lambda parser, arg: [])
     if script in RUN_FULLY:
         try:
             status = main(argv)
