@@ -37,11 +37,12 @@ def main(argv=None) -> int:
 
     from megatron_mea.checkpoint.torch_dist import integrity
     from megatron_mea.training import checkpointing, loop
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
 
     shutil.rmtree(args.out, ignore_errors=True)
-    run = parse_args([*flags, "--train-iters", "1", "--no-progress-bar", "--eval-iters", "0"])
-    trainer = loop.Trainer(run)
+    run, config = parse_run(
+        [*flags, "--train-iters", "1", "--no-progress-bar", "--eval-iters", "0"])
+    trainer = loop.Trainer(run, config)
     trainer.train_step()
     trainer.iteration = 1
     write_checksums = checkpointing._write_checksums

@@ -215,7 +215,7 @@ def test_mea_appendix_f_svd_is_exact_at_h_prime_h_and_drops_the_discarded_energy
     # 2048 keeps it fast; the properties hold for any Dim >= H). Appendix F: W^K in
     # R^{Dim x H d_k} reshaped to (d_k Dim) x H, one column per head; its SVD, the top H' kept,
     # Lambda folded into W_lc.
-    config = _description(num_layers=1, hidden_size=64).transformer_config(meta=True)
+    config = _description(num_layers=1, hidden_size=64).config
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(heads, 128, 64, generator=generator) / 8 for heads in (32, 4, 4))
     prefix = "decoder.layers.0.self_attention."

@@ -60,15 +60,15 @@ def train_one(argv: List[str], seconds: float) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.loop import Trainer
 
     on_gpu = torch.cuda.is_available()
-    args = parse_args(argv)
+    args, config = parse_run(argv)
     steps, telemetry = [], {}
     try:
         built_at = time.perf_counter()
-        trainer = Trainer(args)
+        trainer = Trainer(args, config)
         build_s = time.perf_counter() - built_at
         if on_gpu:
             torch.cuda.synchronize()

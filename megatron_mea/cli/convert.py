@@ -114,7 +114,7 @@ def _compress(args):
         mea_head_norm=args.mea_head_norm,
         mea_key_norm_before_mix=args.mea_key_norm_before_mix,
     )
-    written = kv_heads_per_layer(target.transformer_config(meta=True))
+    written = kv_heads_per_layer(target.config)
     print(f"wrote {args.save} (MEA; K/V heads per layer, cached: {written})")
 
 

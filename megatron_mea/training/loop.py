@@ -12,7 +12,6 @@ import os
 import signal
 import time
 from functools import partial
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -113,11 +112,10 @@ class Trainer:
 
     Args:
         args: the run's validated arguments.
-        config: the run's config, as validation built it (`parse_run`). Default: None, built
-            from `args`.
+        config: the run's config, as validation built it (`parse_run`).
     """
 
-    def __init__(self, args: PretrainArgs, config: Optional[MEATransformerConfig] = None):
+    def __init__(self, args: PretrainArgs, config: MEATransformerConfig):
         require_cpu_patches("Trainer")
         self.args = args
         # Before any process: every value the run derives from its arguments, once.
@@ -544,13 +542,12 @@ class Trainer:
             (progress.write if progress is not None else logger.info)(line)
 
 
-def pretrain(args: PretrainArgs, config: Optional[MEATransformerConfig] = None) -> list:
+def pretrain(args: PretrainArgs, config: MEATransformerConfig) -> list:
     """Run a whole pretraining job; returns the history of this process's steps.
 
     Args:
         args: the run's validated arguments.
-        config: the run's config, as validation built it (`parse_run`). Default: None, built
-            from `args`.
+        config: the run's config, as validation built it (`parse_run`).
     """
     try:
         trainer = Trainer(args, config)

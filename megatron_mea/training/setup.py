@@ -15,7 +15,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
 from megatron_mea.config import MEATransformerConfig
-from megatron_mea.gpt import build_model, transformer_config
+from megatron_mea.gpt import build_model
 from megatron_mea.training import checkpointing, run_dir
 from megatron_mea.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
 from megatron_mea.training.model import ddp_config, optimizer_config, schedule
@@ -52,15 +52,12 @@ class RunSettings:
     moe_track_names: List[str]
 
 
-def run_settings(
-    args: PretrainArgs, config: Optional[MEATransformerConfig] = None
-) -> RunSettings:
+def run_settings(args: PretrainArgs, config: MEATransformerConfig) -> RunSettings:
     """The settings of the run `args` describes.
 
     Args:
         args: the run's validated arguments.
-        config: the run's config, as validation built it (`parse_run`). Default: None, built
-            here.
+        config: the run's config, as validation built it (`parse_run`).
     """
     optimizer, overrides = optimizer_config(args)
     eval_runs = args.train_iters // args.eval_interval + 1
@@ -80,7 +77,7 @@ def run_settings(
         train_samples=args.train_iters * args.global_batch_size,
         eval_samples=eval_runs * args.eval_iters * args.global_batch_size,
         moe_track_names=["load_balancing_loss"] if aux_loss else [],
-        config=transformer_config(args) if config is None else config,
+        config=config,
     )
 
 

@@ -291,7 +291,7 @@ def test_pretraining_driver_continues_from_the_compressed_checkpoint(low_rank_fi
     ]
     from megatron.core import parallel_state
 
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.loop import pretrain
     from tests._models import init_parallel
 
@@ -299,7 +299,7 @@ def test_pretraining_driver_continues_from_the_compressed_checkpoint(low_rank_fi
     # tears it down at the end; the session's other tests get theirs back afterwards.
     parallel_state.destroy_model_parallel()
     try:
-        losses = [record["lm loss"] for record in pretrain(parse_args(argv))]
+        losses = [record["lm loss"] for record in pretrain(*parse_run(argv))]
     finally:
         init_parallel()
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))

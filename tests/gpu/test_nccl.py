@@ -26,7 +26,7 @@ def _nccl_worker(rank, world_size, save_dir):
     dist.all_to_all_single(swapped, x)
     collectives_ok = bool(torch.equal(gathered[:8], x) and torch.equal(swapped, x))
 
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.loop import pretrain
 
     argv = [
@@ -39,7 +39,7 @@ def _nccl_worker(rank, world_size, save_dir):
         "--log-interval", "4", "--no-progress-bar", "--save", save_dir,
         "--data-cache-path", save_dir + "_cache",
     ]
-    history = pretrain(parse_args(argv))
+    history = pretrain(*parse_run(argv))
     return {"collectives_ok": collectives_ok, "backend": dist.get_backend(),
             "history": history}
 

@@ -24,10 +24,10 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GRO
 
 
 def _train(rank, world_size, argv):
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.loop import pretrain
 
-    return [record["lm loss"] for record in pretrain(parse_args(argv))]
+    return [record["lm loss"] for record in pretrain(*parse_run(argv))]
 
 
 def test_two_torchrun_agents_train_and_checkpoint_like_one_node(tmp_path):

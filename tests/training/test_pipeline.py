@@ -56,13 +56,13 @@ def _from_the_same_weights(rank, world_size, base, ckpt, layouts):
     backward (no update), rewind the data, train to the end and save (`<ckpt>-<layout>`)."""
     from megatron.core import parallel_state
 
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.loop import Trainer, pretrain
 
-    pretrain(parse_args([*base, "--save", ckpt, "--exit-interval", "1"]))
+    pretrain(*parse_run([*base, "--save", ckpt, "--exit-interval", "1"]))
     results = {}
     for name, flags in layouts.items():
-        trainer = Trainer(parse_args([*base, "--load", ckpt, *flags]))
+        trainer = Trainer(*parse_run([*base, "--load", ckpt, *flags]))
         try:
             start = trainer.consumed_samples
             loss = trainer.forward_backward()

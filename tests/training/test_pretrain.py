@@ -34,10 +34,10 @@ def text_dataset(tmp_path_factory):
 
 
 def _train(rank, world_size, argv):
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.loop import pretrain
 
-    return [record["lm loss"] for record in pretrain(parse_args(argv))]
+    return [record["lm loss"] for record in pretrain(*parse_run(argv))]
 
 
 def _train_counting_folds(rank, world_size, argv):
@@ -145,10 +145,10 @@ def test_tensor_parallel_run_matches_the_single_process_run(tmp_path):
 
 
 def _histories(rank, world_size, argvs):
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.loop import pretrain
 
-    return [pretrain(parse_args(argv)) for argv in argvs]
+    return [pretrain(*parse_run(argv)) for argv in argvs]
 
 
 def test_eval_iters_zero_means_no_evaluation(tmp_path):

@@ -34,11 +34,11 @@ TINY = [
 def _train(rank, world_size, argv, sabotage=None):
     """Run mea-pretrain; `sabotage` names a fault to inject into this process."""
     from megatron_mea.training import checkpointing, loop
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
 
     if sabotage is not None:
         _install(sabotage, checkpointing, loop)
-    return [record["lm loss"] for record in loop.pretrain(parse_args(argv))]
+    return [record["lm loss"] for record in loop.pretrain(*parse_run(argv))]
 
 
 def _install(sabotage, checkpointing, loop):
@@ -488,7 +488,7 @@ def test_sigint_finishes_the_step_saves_and_exits_130_and_resume_continues(tmp_p
 def _signal_rank(rank, world_size, argv, signalled_rank, when):
     """Train; rank `signalled_rank` sends itself SIGTERM during iteration `when`."""
     from megatron_mea.training import loop
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
 
     if rank == signalled_rank:
         original, calls = loop._masked_mean_loss, [0]
@@ -501,7 +501,7 @@ def _signal_rank(rank, world_size, argv, signalled_rank, when):
 
         loop._masked_mean_loss = loss_then_signal
     try:
-        loop.pretrain(parse_args(argv))
+        loop.pretrain(*parse_run(argv))
     except loop.TrainingInterrupted as exc:
         return exc.signum, str(exc)
     return None
@@ -691,7 +691,7 @@ def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
     import resource
 
     from megatron_mea.training import loop
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
 
     save = loop.Trainer.save
 
@@ -704,7 +704,7 @@ def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
 
     loop.Trainer.save = save_then_limit
     try:
-        loop.pretrain(parse_args(argv))
+        loop.pretrain(*parse_run(argv))
     except loop.RunFailure as exc:
         return str(exc)
     finally:  # the harness writes this rank's result to a file
@@ -743,7 +743,7 @@ def _train_changing_data(rank, world_size, argv, prefix, how):
     """Train; right after the first checkpoint the data at `prefix` is changed in place
     (`how`). Returns the RunFailure's line."""
     from megatron_mea.training import loop
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
 
     save = loop.Trainer.save
 
@@ -757,7 +757,7 @@ def _train_changing_data(rank, world_size, argv, prefix, how):
 
     loop.Trainer.save = save_then_change
     try:
-        loop.pretrain(parse_args(argv))
+        loop.pretrain(*parse_run(argv))
     except loop.RunFailure as exc:
         return str(exc)
     return None

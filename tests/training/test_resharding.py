@@ -61,18 +61,18 @@ def _resume_everywhere(rank, world_size, base, saved, resaved, probe_schedule):
     """Train to step 6 and save; then resume at every layout of LAYOUTS (re-save, train)."""
     from megatron.core import parallel_state
 
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.checkpointing import CheckpointError
     from megatron_mea.training.loop import Trainer, pretrain
 
     log = _Lines()
     logging.getLogger("megatron_mea.training.checkpointing").addHandler(log)
     logging.getLogger("megatron_mea.training.checkpointing").setLevel(logging.INFO)
-    pretrain(parse_args([*base, "--save", saved, "--exit-interval", str(SAVED_AT)]))
+    pretrain(*parse_run([*base, "--save", saved, "--exit-interval", str(SAVED_AT)]))
     results = {}
     for name, flags in LAYOUTS.items():
         del log.lines[:]
-        trainer = Trainer(parse_args([*base, "--load", saved, *flags]))
+        trainer = Trainer(*parse_run([*base, "--load", saved, *flags]))
         try:
             trainer.save(os.path.join(resaved, name))
             history = trainer.train()
@@ -84,20 +84,20 @@ def _resume_everywhere(rank, world_size, base, saved, resaved, probe_schedule):
             log=[line for line in log.lines if line.startswith("loaded checkpoint")],
         )
     if probe_schedule:
-        results["schedule"] = _probe_schedule(base, saved, parse_args, Trainer, CheckpointError)
+        results["schedule"] = _probe_schedule(base, saved, parse_run, Trainer, CheckpointError)
         del log.lines[:]
-        trainer = Trainer(parse_args([*base, "--load", saved, "--adam-beta2", "0.99"]))
+        trainer = Trainer(*parse_run([*base, "--load", saved, "--adam-beta2", "0.99"]))
         parallel_state.destroy_model_parallel()
         results["betas"] = dict(
             betas=[tuple(group["betas"]) for group in trainer.optimizer.param_groups],
             log=[line for line in log.lines if "kept over" in line],
         )
-        results["legacy"] = _probe_legacy(base, saved + "-legacy", parse_args, Trainer,
+        results["legacy"] = _probe_legacy(base, saved + "-legacy", parse_run, Trainer,
                                           CheckpointError)
     return results
 
 
-def _probe_legacy(base, legacy, parse_args, Trainer, CheckpointError):
+def _probe_legacy(base, legacy, parse_run, Trainer, CheckpointError):
     """A checkpoint in the earlier format (no content metadata, so a ChainedOptimizer prefixes
     its optimizers' keys with chained_N.) saved at EP=2, where the expert parameters have an
     optimizer of their own, loaded at EP=1, where they do not: refused, with the way out."""
@@ -109,13 +109,13 @@ def _probe_legacy(base, legacy, parse_args, Trainer, CheckpointError):
     checkpointing.sharded_state_dict_metadata = lambda *args, **kwargs: {
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     try:
-        trainer = Trainer(parse_args([*base, "--expert-model-parallel-size", "2"]))
+        trainer = Trainer(*parse_run([*base, "--expert-model-parallel-size", "2"]))
         trainer.save(legacy)
     finally:
         checkpointing.sharded_state_dict_metadata = current
         parallel_state.destroy_model_parallel()
     try:
-        Trainer(parse_args([*base, "--load", legacy]))
+        Trainer(*parse_run([*base, "--load", legacy]))
         return "loaded"
     except CheckpointError as exc:
         return str(exc)
@@ -123,7 +123,7 @@ def _probe_legacy(base, legacy, parse_args, Trainer, CheckpointError):
         parallel_state.destroy_model_parallel()
 
 
-def _probe_schedule(base, saved, parse_args, Trainer, CheckpointError):
+def _probe_schedule(base, saved, parse_run, Trainer, CheckpointError):
     """What a resume with another schedule (--train-iters 12: decay over 12 steps, not 9) does
     without and with Megatron-LM's two flags."""
     from megatron.core import parallel_state
@@ -136,7 +136,7 @@ def _probe_schedule(base, saved, parse_args, Trainer, CheckpointError):
     }.items():
         argv = [*base, "--load", saved, "--train-iters", "12", *flags]
         try:
-            scheduler = Trainer(parse_args(argv)).scheduler
+            scheduler = Trainer(*parse_run(argv)).scheduler
             probes[name] = dict(num_steps=scheduler.num_steps,
                                 lr_decay_steps=scheduler.lr_decay_steps)
         except CheckpointError as exc:

@@ -210,7 +210,7 @@ def description_from_hf(
         hf_config["model_type"] = fam.name
         hf_config["architectures"] = [fam.architecture]
     description = ModelDescription(RunArgs(**fields), hf_config)
-    description.transformer_config()  # validates the parallel sizes
+    description.run_config()  # validates the parallel sizes
     return description
 
 

@@ -106,11 +106,9 @@ class ModelDescription:
         self.resolved = dataclasses.replace(self.args, **derived_sizes(self.args))
         self.moe_layers = moe_layers(self.args)
 
-    def transformer_config(self, meta: bool = False):
+    def run_config(self):
         """The model's `MEATransformerConfig` at the run's recorded layout (validates the
-        parallel sizes); `meta`: the converters' `config` instead."""
-        if meta:
-            return self.config
+        parallel sizes); the converters' layout is `config`."""
         return transformer_config(self.args)
 
     def converter_args(self) -> RunArgs:
@@ -269,7 +267,7 @@ def build_stage_model(description: ModelDescription, **parallel) -> GPTModel:
         )
     return gpt.build_model(
         description.args,
-        description.transformer_config(),
+        description.run_config(),
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         core_attention="megatron",

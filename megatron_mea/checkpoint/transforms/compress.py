@@ -266,7 +266,7 @@ def compressed_description(
         kha_targets=None,
     )
     out = dataclasses.replace(description, args=args)
-    out.transformer_config()  # validates nc against the heads and the recorded TP size
+    out.run_config()  # validates nc against the heads and the recorded TP size
     return out
 
 
