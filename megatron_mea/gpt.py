@@ -20,9 +20,10 @@ from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import init_cpu_rng_tracker
 from megatron_mea.fusions import fusion_settings
 from megatron_mea.model_args import RunArgs, config_fields, gpt_model_kwargs, parallel_sizes
+from megatron_mea.rendezvous import set_up_world_of_one
 from megatron_mea.specs import get_gpt_decoder_block_spec
 
-__all__ = ["build_model", "free_port", "initialize", "transformer_config"]
+__all__ = ["build_model", "initialize", "transformer_config"]
 
 
 def transformer_config(
@@ -162,22 +163,3 @@ def initialize(args: RunArgs, timeout_minutes: Optional[float] = None) -> None:
         model_parallel_cuda_manual_seed(seed)
     else:
         init_cpu_rng_tracker(seed)
-
-
-def set_up_world_of_one() -> None:
-    """The rendezvous variables torchrun sets, for a world of one process, where a plain
-    `python -m` started it (no WORLD_SIZE); a launcher's are kept."""
-    if "WORLD_SIZE" in os.environ:
-        return
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-
-
-def free_port() -> int:
-    """A TCP port on the loopback interface that is free right now (for a world of one)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

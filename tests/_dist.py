@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_mea.cpu import megatron_on_cpu
-from megatron_mea.gpt import free_port
+from megatron_mea.rendezvous import free_port
 
 
 # The variables a process group reads at start-up. In-process tests set them (a world of one);

@@ -1,5 +1,5 @@
 """The package's import graph: the library never imports an application, and no module imports
-one that imports it back (directly or through others).
+one that imports it back (directly or through others), nor does a subpackage.
 
 Every `import` / `from ... import` of a `megatron_mea` module counts: at module level, inside a
 function (a lazy import is still a dependency), under `if __name__ == "__main__":` and in a
@@ -119,6 +119,19 @@ def test_the_library_imports_no_application(graph):
 
 def test_no_module_imports_one_that_imports_it_back(graph):
     assert cycles(graph) == []
+
+
+def test_no_part_of_the_package_imports_one_that_imports_it_back(graph):
+    # One level up: the subpackages and top-level modules. A reader places a package as a whole
+    # (cpu/ stood both above and below gpt.py while its runner imported gpt and gpt imported it).
+    def part(module):
+        return ".".join(module.split(".")[:2])
+
+    parts = {}
+    for module, targets in graph.items():
+        parts.setdefault(part(module), set()).update(
+            part(target) for target in targets if part(target) != part(module))
+    assert cycles(parts) == []
 
 
 def test_imports_under_the_main_guard_count():

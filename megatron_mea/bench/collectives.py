@@ -10,7 +10,7 @@ import os
 
 from megatron_mea.bench.steps import LayerStep
 from megatron_mea.cpu import megatron_on_cpu
-from megatron_mea.gpt import free_port
+from megatron_mea.rendezvous import free_port
 from megatron_mea.quiet import quiet_warnings  # the workers are part of the CLI's run
 
 

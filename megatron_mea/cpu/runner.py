@@ -72,6 +72,7 @@ import torch
 
 from megatron_mea.cpu.megatron_core import _Patcher, cuda_device_to_cpu, megatron_on_cpu
 from megatron_mea.cpu.triton_stand_in import triton_modules
+from megatron_mea.rendezvous import set_up_world_of_one
 
 logger = logging.getLogger(__name__)
 
@@ -274,8 +275,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(USAGE + "\n\n" + __doc__.split("\n\n")[1])
         raise SystemExit(0 if argv else 2)
     logging.basicConfig(level=os.environ.get("MEA_LOG_LEVEL", "WARNING"))
-    from megatron_mea.gpt import set_up_world_of_one
-
     # Megatron-LM's initialize reads the env:// rendezvous that torchrun sets; without it
     # (`python -m megatron_mea.cpu SCRIPT`) torch stops at `MASTER_ADDR expected, but not set`.
     set_up_world_of_one()

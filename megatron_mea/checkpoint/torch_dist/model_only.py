@@ -44,8 +44,9 @@ from megatron_mea.checkpoint.megatron_lm.reading import common_state_types, mega
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.files import atomic_write
 from megatron_mea import gpt
-from megatron_mea.gpt import free_port, transformer_config
+from megatron_mea.gpt import transformer_config
 from megatron_mea.model_args import MODEL_FIELDS, RunArgs, derived_sizes, moe_layers
+from megatron_mea.rendezvous import free_port
 from megatron_mea.run_config import load_run_args, save_config
 
 logger = logging.getLogger(__name__)
