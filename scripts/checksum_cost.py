@@ -35,8 +35,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     flags = [f for f in args.pretrain if f != "--"]
 
-    from megatron_mea.checkpoint.torch_dist import integrity
-    from megatron_mea.training import checkpointing, loop
+    from megatron_mea.checkpoint.torch_dist import integrity, training_state
+    from megatron_mea.checkpoint.torch_dist.checks import checkpoint_dir
+    from megatron_mea.training import loop
     from megatron_mea.training.arguments import parse_run
 
     shutil.rmtree(args.out, ignore_errors=True)
@@ -45,27 +46,27 @@ def main(argv=None) -> int:
     trainer = loop.Trainer(run, config)
     trainer.train_step()
     trainer.iteration = 1
-    write_checksums = checkpointing._write_checksums
+    write_checksums = training_state._write_checksums
     saves, loads, hashes = {"with": [], "without": []}, {"with": [], "without": []}, []
     for repeat in range(args.repeats):  # interleaved, first one then the other mode first,
         # so that a busy machine or disk weighs on both alike
         for mode in ("with", "without") if repeat % 2 == 0 else ("without", "with"):
-            checkpointing._write_checksums = write_checksums if mode == "with" else _no_list
+            training_state._write_checksums = write_checksums if mode == "with" else _no_list
             root = os.path.join(args.out, mode)
             shutil.rmtree(root, ignore_errors=True)
             started = time.perf_counter()
             trainer.save(root)
             saves[mode].append(time.perf_counter() - started)
             started = time.perf_counter()
-            checkpointing.load_checkpoint(root, trainer.modules, trainer.optimizer,
+            training_state.load_checkpoint(root, trainer.modules, trainer.optimizer,
                                           trainer.scheduler)
             loads[mode].append(time.perf_counter() - started)
-        directory = checkpointing.checkpoint_dir(os.path.join(args.out, "with"), 1)
+        directory = checkpoint_dir(os.path.join(args.out, "with"), 1)
         started = time.perf_counter()
         integrity.checksum_files(directory, integrity.checkpoint_files(directory))
         hashes.append(time.perf_counter() - started)
-    checkpointing._write_checksums = write_checksums
-    size = _size(checkpointing.checkpoint_dir(os.path.join(args.out, "with"), 1))
+    training_state._write_checksums = write_checksums
+    size = _size(checkpoint_dir(os.path.join(args.out, "with"), 1))
     trainer.close()
     median = statistics.median
     print(f"checkpoint: {size / 2**20:.1f} MiB")

@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
     from megatron_mea.checkpoint.torch_dist.checks import ConversionError
-    from megatron_mea.training.checkpointing import CheckpointError
+    from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
 
     try:
         args.run(args)

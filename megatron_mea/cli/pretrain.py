@@ -43,7 +43,7 @@ def main(argv=None) -> int:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2
     from megatron_mea.data import DatasetError
-    from megatron_mea.training.checkpointing import CheckpointError
+    from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
     from megatron_mea.training.loop import (
         CollectiveTimeout,
         RunFailure,

@@ -1,7 +1,7 @@
 """Load a `mea-pretrain` checkpoint for inference at any tensor-parallel size.
 
 A run directory holds `config.yaml` (the run's arguments), `latest_checkpointed_iteration.txt`
-and `iter_XXXXXXX/` torch_dist checkpoints (written by `megatron_mea.training.checkpointing`); a
+and `iter_XXXXXXX/` torch_dist checkpoints (`megatron_mea.checkpoint.torch_dist.training_state`); a
 Megatron-LM run directory has no `config.yaml`, its model is described by the arguments saved in
 the checkpoint (`megatron_mea.checkpoint.megatron_lm.reading`). The model is rebuilt from the saved
 arguments with the parallel layout replaced (TP as asked; PP, CP and EP 1; no sequence

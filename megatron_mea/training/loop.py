@@ -24,8 +24,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
 from megatron_mea._optional import import_extra
+from megatron_mea.checkpoint.torch_dist import training_state
 from megatron_mea.checkpoint.torch_dist.checks import (
     ModelMismatchError,
+    checkpoint_dir,
     data_settings,
     explain_model_mismatch,
 )
@@ -36,7 +38,7 @@ from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
 from megatron_mea.gpt import initialize
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.run_config import save_config
-from megatron_mea.training import checkpointing, processes, run_dir
+from megatron_mea.training import processes, run_dir
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.training.batches import MicroBatches
 from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
@@ -188,7 +190,7 @@ class Trainer:
         self.iteration, consumed = 0, 0
         if loads:
             try:
-                self.iteration, consumed = checkpointing.load_checkpoint(
+                self.iteration, consumed = training_state.load_checkpoint(
                     args.load, self.modules, self.optimizer, self.scheduler,
                     load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                     use_distributed_optimizer=args.use_distributed_optimizer,
@@ -477,21 +479,21 @@ class Trainer:
                     f"of {self.nan_streak} non-finite steps, so not saved; "
                     f"{self._last_good_checkpoint_text()}")
         return (f"interrupted by {name} after iteration {self.iteration}: saved checkpoint "
-                f"{checkpointing.checkpoint_dir(self.args.save, self.iteration)}; resume with "
+                f"{checkpoint_dir(self.args.save, self.iteration)}; resume with "
                 f"--load {self.args.save}")
 
     def _last_checkpoint_text(self) -> str:
         if self.last_checkpoint is None:
             return "no checkpoint of this run yet"
         root, iteration = self.last_checkpoint
-        return f"the last checkpoint is {checkpointing.checkpoint_dir(root, iteration)}"
+        return f"the last checkpoint is {checkpoint_dir(root, iteration)}"
 
     def _last_good_checkpoint_text(self) -> str:
         """Where to resume from after a non-finite streak (no checkpoint is saved inside one)."""
         if self.last_checkpoint is None:
             return "no checkpoint of this run before it"
         root, iteration = self.last_checkpoint
-        return (f"the last good checkpoint is {checkpointing.checkpoint_dir(root, iteration)}: "
+        return (f"the last good checkpoint is {checkpoint_dir(root, iteration)}: "
                 f"resume from it with --load {root} --ckpt-step {iteration}")
 
     def save(self, root: str) -> None:
@@ -499,7 +501,7 @@ class Trainer:
         # Megatron's writer starts helper processes: they must not outlive a killed run.
         processes.children_die_with_parent()
         try:
-            checkpointing.save_checkpoint(
+            training_state.save_checkpoint(
                 root, self.iteration, self.modules, self.optimizer, self.scheduler,
                 self.consumed_samples,
                 use_distributed_optimizer=self.args.use_distributed_optimizer,
@@ -509,7 +511,7 @@ class Trainer:
                     self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
                 ),
             )
-        except checkpointing.SaveFailed as exc:
+        except training_state.SaveFailed as exc:
             raise RunFailure(f"iteration {self.iteration}: {exc}; "
                              f"{self._last_checkpoint_text()}") from None
         self.last_checkpoint = (root, self.iteration)
@@ -522,7 +524,7 @@ class Trainer:
             with open(path, "a", encoding="utf-8") as handle:
                 handle.write(json.dumps(record) + "\n")
         except OSError as exc:
-            self.failure = f"writing {path} failed: {checkpointing.describe_failure(exc)}"
+            self.failure = f"writing {path} failed: {training_state.describe_failure(exc)}"
             try:
                 os.truncate(path, size)
             except OSError:

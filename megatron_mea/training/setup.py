@@ -16,7 +16,8 @@ from megatron.core.optimizer import OptimizerConfig
 
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.gpt import build_model
-from megatron_mea.training import checkpointing, run_dir
+from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
+from megatron_mea.training import run_dir
 from megatron_mea.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
 from megatron_mea.training.model import ddp_config, optimizer_config, schedule
 
@@ -88,13 +89,13 @@ def claim_run_directories(args: PretrainArgs):
     if dist.get_rank() == 0:
         try:
             lock, loads = run_dir.claim_run_directories(args)
-        except (run_dir.RunDirectoryError, checkpointing.CheckpointError) as exc:
-            problem, unreadable = str(exc), isinstance(exc, checkpointing.CheckpointError)
+        except (run_dir.RunDirectoryError, CheckpointError) as exc:
+            problem, unreadable = str(exc), isinstance(exc, CheckpointError)
     verdict = [(loads, problem, unreadable)]
     dist.broadcast_object_list(verdict, src=0)
     loads, problem, unreadable = verdict[0]
     if problem:
-        raise (checkpointing.CheckpointError if unreadable else run_dir.RunDirectoryError)(problem)
+        raise (CheckpointError if unreadable else run_dir.RunDirectoryError)(problem)
     return lock, loads
 
 

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 import yaml
 
 from megatron_mea.files import atomic_write
-from megatron_mea.training.checkpointing import latest_iteration
+from megatron_mea.checkpoint.torch_dist.checks import latest_iteration
 from megatron_mea.training.sweep import VARIANTS
 
 RESULT = "result.json"

@@ -33,15 +33,16 @@ TINY = [
 
 def _train(rank, world_size, argv, sabotage=None):
     """Run mea-pretrain; `sabotage` names a fault to inject into this process."""
-    from megatron_mea.training import checkpointing, loop
+    from megatron_mea.checkpoint.torch_dist import training_state
+    from megatron_mea.training import loop
     from megatron_mea.training.arguments import parse_run
 
     if sabotage is not None:
-        _install(sabotage, checkpointing, loop)
+        _install(sabotage, training_state, loop)
     return [record["lm loss"] for record in loop.pretrain(*parse_run(argv))]
 
 
-def _install(sabotage, checkpointing, loop):
+def _install(sabotage, training_state, loop):
     kind, when = sabotage
 
     def kill():
@@ -64,7 +65,7 @@ def _install(sabotage, checkpointing, loop):
         loop._masked_mean_loss = nan_loss
         return
     save, rename, replace = (
-        checkpointing.dist_checkpointing.save, checkpointing.os.rename, checkpointing.os.replace
+        training_state.dist_checkpointing.save, training_state.os.rename, training_state.os.replace
     )
     target = f"iter_{when:07d}"
 
@@ -90,11 +91,11 @@ def _install(sabotage, checkpointing, loop):
         replace(src, dst)
 
     if kind == "during-shard-write":
-        checkpointing.dist_checkpointing.save = save_then_die
+        training_state.dist_checkpointing.save = save_then_die
     elif kind == "before-rename":
-        checkpointing.os.rename = rename_or_die
+        training_state.os.rename = rename_or_die
     elif kind == "before-pointer-update":
-        checkpointing.os.replace = replace_or_die
+        training_state.os.replace = replace_or_die
 
 
 @pytest.fixture(scope="module")
@@ -323,7 +324,7 @@ def test_newer_megatron_checkpoint_is_refused_where_unreadable(
     saved_checkpoint, tmp_path, monkeypatch
 ):
     from megatron_mea import compat
-    from megatron_mea.training.checkpointing import CheckpointError, verify_checkpoint
+    from megatron_mea.checkpoint.torch_dist.checks import CheckpointError, verify_checkpoint
 
     _, iteration = _as_newer_layout(saved_checkpoint, tmp_path)
     monkeypatch.setattr(compat, "reads_common_state_from_index", lambda: False)
@@ -382,7 +383,7 @@ def test_a_crafted_pickle_is_refused_without_running_it(saved_checkpoint, tmp_pa
     import torch
 
     from megatron_mea.checkpoint.torch_dist import integrity
-    from megatron_mea.training.checkpointing import CheckpointError, verify_checkpoint
+    from megatron_mea.checkpoint.torch_dist.checks import CheckpointError, verify_checkpoint
 
     ckpt = str(tmp_path / "ckpt")
     shutil.copytree(saved_checkpoint, ckpt)

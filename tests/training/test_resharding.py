@@ -62,12 +62,12 @@ def _resume_everywhere(rank, world_size, base, saved, resaved, probe_schedule):
     from megatron.core import parallel_state
 
     from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.checkpointing import CheckpointError
+    from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
     from megatron_mea.training.loop import Trainer, pretrain
 
     log = _Lines()
-    logging.getLogger("megatron_mea.training.checkpointing").addHandler(log)
-    logging.getLogger("megatron_mea.training.checkpointing").setLevel(logging.INFO)
+    logging.getLogger("megatron_mea.checkpoint.torch_dist.training_state").addHandler(log)
+    logging.getLogger("megatron_mea.checkpoint.torch_dist.training_state").setLevel(logging.INFO)
     pretrain(*parse_run([*base, "--save", saved, "--exit-interval", str(SAVED_AT)]))
     results = {}
     for name, flags in LAYOUTS.items():
@@ -103,16 +103,16 @@ def _probe_legacy(base, legacy, parse_run, Trainer, CheckpointError):
     optimizer of their own, loaded at EP=1, where they do not: refused, with the way out."""
     from megatron.core import parallel_state
 
-    from megatron_mea.training import checkpointing
+    from megatron_mea.checkpoint.torch_dist import training_state
 
-    current = checkpointing.sharded_state_dict_metadata
-    checkpointing.sharded_state_dict_metadata = lambda *args, **kwargs: {
+    current = training_state.sharded_state_dict_metadata
+    training_state.sharded_state_dict_metadata = lambda *args, **kwargs: {
         "dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
     try:
         trainer = Trainer(*parse_run([*base, "--expert-model-parallel-size", "2"]))
         trainer.save(legacy)
     finally:
-        checkpointing.sharded_state_dict_metadata = current
+        training_state.sharded_state_dict_metadata = current
         parallel_state.destroy_model_parallel()
     try:
         Trainer(*parse_run([*base, "--load", legacy]))
@@ -252,7 +252,7 @@ def test_another_schedule_needs_megatron_lm_s_flags(resumed):
 def test_distributed_optimizer_formats_follow_megatron_lm(single_rank):
     # The distributed optimizer needs CUDA (no CPU run here); its checkpoint metadata and the
     # refusal of what Megatron cannot reshard are checked directly.
-    from megatron_mea.training.checkpointing import (
+    from megatron_mea.checkpoint.torch_dist.training_state import (
         optimizer_reshard_problem,
         sharded_state_dict_metadata,
     )

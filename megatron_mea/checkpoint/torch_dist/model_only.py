@@ -1,6 +1,6 @@
 """Model-only `torch_dist` checkpoints in the layout of `mea-pretrain`: description, models.
 
-Layout (what `megatron_mea.training.checkpointing.load_checkpoint` resumes from)::
+Layout (what `training_state.load_checkpoint` resumes from)::
 
     <root>/latest_checkpointed_iteration.txt   # "0"
     <root>/iter_0000000/                      # torch_dist: the model's tensors, nothing else

@@ -20,7 +20,7 @@ from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
 
 # Messages of the checkpointing module's logger: one place to follow a resume.
-logger = logging.getLogger("megatron_mea.training.checkpointing")
+logger = logging.getLogger("megatron_mea.checkpoint.torch_dist.training_state")
 
 _FROM_CHECKPOINT = object()  # a leaf of the optimizer's state dict that dist-ckpt loads
 # Param-group values the scheduler owns (set from its state after loading).

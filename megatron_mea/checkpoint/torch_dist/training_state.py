@@ -15,10 +15,9 @@ keys, so a checkpoint resumes at any other TP / PP / VPP / EP / DP layout (`load
 only the distributed optimizer's default `dp_reshardable` format is tied to its model-parallel
 layout (refused with a message).
 
-The checks that refuse a checkpoint before loading are the library's
-`megatron_mea.checkpoint.torch_dist.checks` (re-exported here: `CheckpointError`, `TRACKER`,
-`checkpoint_dir`, `latest_iteration`, `verify_checkpoint`), the restoring of optimizer and
-scheduler state in `optimizer_state`.
+`mea-pretrain` saves and resumes with it (`megatron_mea.training.loop`). The checks that refuse a
+checkpoint before loading are in `checks` (`CheckpointError`, `latest_iteration`,
+`verify_checkpoint`), the restoring of optimizer and scheduler state in `optimizer_state`.
 """
 
 import logging
@@ -33,7 +32,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mea.checkpoint.torch_dist import integrity
+from megatron_mea.checkpoint.torch_dist import integrity, optimizer_state
 from megatron_mea.checkpoint.torch_dist.checks import (
     TRACKER,
     CheckpointError,
@@ -45,21 +44,15 @@ from megatron_mea.checkpoint.torch_dist.checks import (
 )
 from megatron_mea.checkpoint.megatron_lm.writing import CHECKPOINT_VERSION
 from megatron_mea.files import atomic_write
-from megatron_mea.training import optimizer_state
 
 __all__ = [
-    "TRACKER",
-    "CheckpointError",
     "SaveFailed",
-    "checkpoint_dir",
-    "latest_iteration",
     "layout_changes",
     "load_checkpoint",
     "optimizer_reshard_problem",
     "parallel_layout",
     "save_checkpoint",
     "sharded_state_dict_metadata",
-    "verify_checkpoint",
 ]
 
 logger = logging.getLogger(__name__)
