@@ -54,10 +54,10 @@ def tp_decoding(rank, world_size, variants, tp, workdir, prompts=PROMPTS):
 
 def pretrain(rank, world_size, argv):
     """A `mea-pretrain` run (saves config.yaml and torch_dist checkpoints under --save)."""
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.training.arguments import parse_run
     from megatron_mea.training.loop import pretrain as run
 
-    return [record["lm loss"] for record in run(parse_args(argv))]
+    return [record["lm loss"] for record in run(*parse_run(argv))]
 
 
 def generate_cli(rank, world_size, argv_list):
