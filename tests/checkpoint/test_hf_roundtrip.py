@@ -29,6 +29,21 @@ def test_hf_to_megatron_to_hf_round_trip_is_bit_exact(checkpoints, tmp_path, fam
     assert_same_hf_checkpoint(hf_dir, out)
 
 
+def test_export_dtype_names_the_written_tensors(checkpoints, tmp_path):
+    """config.json's dtype is written before the tensors: it must still be theirs, saved or
+    asked for."""
+    import json
+
+    for asked in (None, torch.bfloat16):
+        out = str(tmp_path / str(asked))
+        export_hf_checkpoint(checkpoints.imported("qwen3"), out, dtype=asked)
+        with open(os.path.join(out, "config.json")) as handle:
+            named = json.load(handle)["dtype"]
+        written = {str(t.dtype) for t in load_file(os.path.join(out, "model.safetensors")).values()}
+        assert written == {f"torch.{named}"}
+        assert asked is None or named == "bfloat16"
+
+
 def test_stock_transformers_loads_the_export_with_the_same_logits(checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 

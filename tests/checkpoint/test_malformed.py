@@ -158,8 +158,9 @@ def test_a_failed_export_leaves_nothing(checkpoints, tmp_path, monkeypatch):
     def fail(*args):
         raise OSError("disk full")
 
-    # A failure after every weight is written (at config.json) still removes them.
-    monkeypatch.setattr(hf_export, "_write_config", fail)
+    # A failure at the last step (the last shard), after config.json and the tokenizer, still
+    # removes everything.
+    monkeypatch.setattr(hf_export.HFWriter, "close", fail)
     with pytest.raises(OSError, match="disk full"):
         export_hf_checkpoint(checkpoints.imported("qwen3"), str(tmp_path / "a" / "hf"))
     assert os.listdir(tmp_path) == []

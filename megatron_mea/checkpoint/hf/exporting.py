@@ -12,6 +12,7 @@ Formats:
 Tensors are read one layer at a time and written to safetensors shards as they fill.
 """
 
+import itertools
 import logging
 import os
 import shutil
@@ -150,7 +151,8 @@ def _build_config(fam, fields: dict, config, fmt: str):
     return native
 
 
-def _write_config(save_dir: str, built, fmt: str) -> None:
+def _write_config(save_dir: str, built, fmt: str, dtype: torch.dtype) -> None:
+    built.dtype = dtype_name(dtype)
     built.save_pretrained(save_dir)
     if fmt == "native":  # the modeling code, for trust_remote_code=True
         import megatron_mea.hf
@@ -217,26 +219,28 @@ def export_hf_checkpoint(
                        "trains with the defaults", fam.name, ", ".join(left_out))
     if reference_fields:
         _check_reference(reference, reference_fields, fields)
-    _build_config(fam, fields, config, fmt)  # refuse a bad config before any tensor is written
+    built = _build_config(fam, fields, config, fmt)  # refused before any tensor is read
     started = time.perf_counter()
     with staged_directory(save_dir) as staged:
-        saved_dtype = _write_weights(load_dir, staged, description, fam, fmt, dtype, iteration,
-                                     max_shard_bytes)
-        fields["dtype"] = dtype_name(dtype or saved_dtype)
-        _write_config(staged, _build_config(fam, fields, config, fmt), fmt)
-        args = description.args
-        source = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
-        copied = copy_tokenizer(source or description.source, staged)
-        if not copied and byte_level_run(description):
-            ByteLevelTokenizer().save_hf(staged)  # needs no file: every export has a tokenizer
+        _write_export(load_dir, staged, description, fam, fmt, built, dtype, iteration,
+                      max_shard_bytes)
     logger.info("wrote %s (%s format, %.1f s)", save_dir, fmt, time.perf_counter() - started)
     return fmt
 
 
-def _write_weights(load_dir, save_dir, description, fam, fmt, dtype, iteration,
-                   max_shard_bytes) -> torch.dtype:
-    """Stream the checkpoint's tensors through the family's export rules into safetensors
-    shards under `save_dir`; returns the checkpoint's dtype."""
+def _write_tokenizer(description: ModelDescription, save_dir: str) -> None:
+    args = description.args
+    source = args.tokenizer_model if args.tokenizer_type == "HuggingFaceTokenizer" else None
+    copied = copy_tokenizer(source or description.source, save_dir)
+    if not copied and byte_level_run(description):
+        ByteLevelTokenizer().save_hf(save_dir)  # needs no file: every export has a tokenizer
+
+
+def _write_export(load_dir, save_dir, description, fam, fmt, built, dtype, iteration,
+                  max_shard_bytes) -> None:
+    """Write the export under `save_dir`: config.json (and the modeling files of a native
+    export) and the tokenizer, then the checkpoint's tensors streamed through the family's
+    export rules into safetensors shards."""
     started = time.perf_counter()
     config = description.config
     with converter_process():
@@ -244,10 +248,13 @@ def _write_weights(load_dir, save_dir, description, fam, fmt, dtype, iteration,
         rules = plan_rules(description, expected_shapes(description), native, fam)
         layout = qkv_layout(description, None if native else config.num_query_groups)
         _, groups = read_checkpoint(load_dir, description, iteration)
+        # The first layer read (the embedding) tells the saved dtype, which config.json names.
+        first = next(groups)
+        saved_dtype = next(iter(first[1].values())).dtype
+        _write_config(save_dir, built, fmt, dtype or saved_dtype)
+        _write_tokenizer(description, save_dir)
         writer = HFWriter(save_dir, max_shard_bytes)
-        saved_dtype = None
-        for layer, tensors in groups:
-            saved_dtype = saved_dtype or next(iter(tensors.values())).dtype
+        for layer, tensors in itertools.chain([first], groups):
             if not native and layer >= 0:
                 tensors = fold_layer(tensors, layer, config)
             hf = {}
@@ -261,4 +268,3 @@ def _write_weights(load_dir, save_dir, description, fam, fmt, dtype, iteration,
             writer.add({k: v.to(dtype) if dtype else v for k, v in hf.items()})
             logger.info("exported %s (%.1f s)", layer_name(layer), time.perf_counter() - started)
         writer.close()
-    return saved_dtype
