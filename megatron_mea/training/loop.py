@@ -149,8 +149,11 @@ class Trainer:
         if args.vocab_size is None:
             args.vocab_size = self.tokenizer.vocab_size
         settings = self.settings
-        # What a checkpoint of this run records of its data (the vocabulary resolved above).
+        # What every checkpoint of this run records of it (the vocabulary resolved above): its
+        # data settings, and its arguments as Megatron-LM saves them (each checkpoint adds its
+        # data position).
         self.data_settings = data_settings(args)
+        self.megatron_lm_args = megatron_lm_arguments(args, optimizer_saved=True)
         # Data tokenized for a larger vocabulary: named before the model is built (the
         # embedding would fail at the first batch holding such an id). The files as checked
         # are the files watched: one changed later is named before a micro-batch reads it.
@@ -507,9 +510,7 @@ class Trainer:
                 use_distributed_optimizer=self.args.use_distributed_optimizer,
                 fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
                 data_settings=self.data_settings,
-                megatron_lm_args=megatron_lm_arguments(
-                    self.args, optimizer_saved=True, consumed_samples=self.consumed_samples
-                ),
+                megatron_lm_args=self.megatron_lm_args,
             )
         except training_state.SaveFailed as exc:
             raise RunFailure(f"iteration {self.iteration}: {exc}; "

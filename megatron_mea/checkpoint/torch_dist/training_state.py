@@ -20,6 +20,7 @@ checkpoint before loading are in `checks` (`CheckpointError`, `latest_iteration`
 `verify_checkpoint`), the restoring of optimizer and scheduler state in `optimizer_state`.
 """
 
+import argparse
 import logging
 import os
 import random
@@ -223,8 +224,9 @@ def save_checkpoint(
         data_settings: the run's vocabulary, tokenizer and sequence length
             (`megatron_mea.checkpoint.torch_dist.checks.data_settings`), compared on resume.
         megatron_lm_args: the run's arguments as Megatron-LM saves them
-            (`checkpoint.megatron_lm.writing.megatron_lm_arguments`), saved with its checkpoint
-            version so that Megatron-LM's `pretrain_gpt.py --use-checkpoint-args` continues.
+            (`checkpoint.megatron_lm.writing.megatron_lm_arguments`, built once per run), saved
+            with `consumed_samples` and the checkpoint version so that Megatron-LM's
+            `pretrain_gpt.py --use-checkpoint-args` continues.
 
     Raises:
         SaveFailed: on every rank, where a rank could not write its part (the partial
@@ -257,7 +259,11 @@ def save_checkpoint(
     if data_settings is not None:
         state["data_settings"] = data_settings
     if megatron_lm_args is not None:
-        state.update(args=megatron_lm_args, checkpoint_version=CHECKPOINT_VERSION)
+        # Megatron-LM continues its data at the checkpoint's position, read from its arguments.
+        saved_args = argparse.Namespace(
+            **{**vars(megatron_lm_args), "consumed_train_samples": consumed_samples}
+        )
+        state.update(args=saved_args, checkpoint_version=CHECKPOINT_VERSION)
     try:
         dist_checkpointing.save(state, tmp, content_metadata=_serializable(metadata))
     except (OSError, CheckpointException) as exc:  # the writer's errors, gathered on all ranks
