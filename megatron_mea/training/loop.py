@@ -16,10 +16,6 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallel
-from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
@@ -36,13 +32,17 @@ from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
 from megatron_mea.gpt import initialize
-from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.run_config import save_config
 from megatron_mea.training import processes, run_dir
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.training.batches import MicroBatches
 from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
-from megatron_mea.training.setup import build_chunks, claim_run_directories, run_settings
+from megatron_mea.training.setup import (
+    build_datasets,
+    claim_run_directories,
+    run_settings,
+    setup_model_and_optimizer,
+)
 from megatron_mea.training.signals import ExitSignalHandler
 from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 
@@ -143,7 +143,7 @@ class Trainer:
 
     def _set_up(self, args: PretrainArgs, loads: bool) -> None:
         """Build the model, optimizer and data; load the checkpoint if `loads`."""
-        from megatron_mea.data import build_gpt_datasets, build_tokenizer
+        from megatron_mea.data import build_tokenizer
 
         self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
         if args.vocab_size is None:
@@ -169,27 +169,7 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
         self.config = settings.config
-        # Bucketing for the first chunk only, as Megatron-LM does.
-        self.model = [
-            DistributedDataParallel(self.config, settings.ddp, chunk, disable_bucketing=index > 0)
-            for index, chunk in enumerate(build_chunks(args, self.config))
-        ]
-        with cuda_device_to_cpu():
-            self.optimizer = get_megatron_optimizer(
-                settings.optimizer, self.model, config_overrides=settings.optimizer_overrides
-            )
-        self.scheduler = OptimizerParamScheduler(self.optimizer, **settings.schedule)
-        no_sync = [chunk.no_sync for chunk in self.model]
-        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        # Folded projections (MEA's `weights` exchange, `kha_fold_linear`) fold once per step;
-        # the flush sends the micro-batches' gradients through the fold before Megatron reduces
-        # them. Models without such layers keep Megatron's finalize untouched.
-        finalize = finalize_model_grads
-        if sum(enable_fold_cache(chunk.module) for chunk in self.model):
-            finalize = with_fold_flush(finalize_model_grads)
-        self.config.finalize_model_grads_func = finalize
-        self.config.grad_scale_func = self.optimizer.scale_loss
-
+        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, settings)
         self.iteration, consumed = 0, 0
         if loads:
             try:
@@ -205,28 +185,7 @@ class Trainer:
                 # run's config.yaml names the setting.
                 raise explain_model_mismatch(args.load, args, exc) from None
             self.last_checkpoint = (args.load, self.iteration)
-        build = partial(
-            build_gpt_datasets,
-            args.data_path,
-            args.split,
-            args.seq_length,
-            self.tokenizer,
-            settings.train_samples,
-            settings.eval_samples,
-            0,
-            args.seed,
-            args.mock_data,
-            settings.data_cache,
-        )
-        # Rank 0 writes the dataset index caches; the others read them.
-        if self.rank == 0:
-            datasets = build()
-        dist.barrier()
-        if self.rank != 0:
-            datasets = build()
-        self.train_data, self.valid_data = datasets[0], datasets[1]
-        if args.eval_iters == 0:
-            self.valid_data = None  # no evaluation
+        self.train_data, self.valid_data = build_datasets(args, settings, self.tokenizer)
         self.train_batches = self._batches(self.train_data, consumed)
         self.valid_consumed = 0
         self.nan_streak = 0

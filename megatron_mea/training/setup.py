@@ -1,22 +1,28 @@
 """The set-up of a `mea-pretrain` run: the values it derives from its arguments, once, before any
 process group exists (`run_settings`), and the set-up steps that need the processes (the run
-directories, the model chunks of this rank).
+directories, the model chunks of this rank in Megatron's DDP with their optimizer, the datasets),
+in the order the trainer calls them.
 
 The trainer passes these values down: the data, the checkpoint and the model code receive
 built settings, not the arguments.
 """
 
 from dataclasses import dataclass
-from typing import List, Optional
+from functools import partial
+from typing import List, Optional, Tuple
 
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.distributed import DistributedDataParallelConfig
-from megatron.core.optimizer import OptimizerConfig
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_mea.config import MEATransformerConfig
+from megatron_mea.cpu import cuda_device_to_cpu
 from megatron_mea.gpt import build_model
 from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
+from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.training import run_dir
 from megatron_mea.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
 from megatron_mea.training.model import ddp_config, optimizer_config, schedule
@@ -116,3 +122,61 @@ def build_chunks(args: PretrainArgs, config: MEATransformerConfig) -> list:
         )
         for stage in stages
     ]
+
+
+def setup_model_and_optimizer(
+    args: PretrainArgs, settings: RunSettings
+) -> Tuple[list, MegatronOptimizer, OptimizerParamScheduler]:
+    """This rank's model chunks in Megatron's DDP, their optimizer and its scheduler, as
+    Megatron-LM's `setup_model_and_optimizer` builds them; the run's config gains the step's
+    hooks (no_sync, the gradients' finalize, the loss scaling)."""
+    config = settings.config
+    # Bucketing for the first chunk only, as Megatron-LM does.
+    model = [
+        DistributedDataParallel(config, settings.ddp, chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(build_chunks(args, config))
+    ]
+    with cuda_device_to_cpu():
+        optimizer = get_megatron_optimizer(
+            settings.optimizer, model, config_overrides=settings.optimizer_overrides
+        )
+    scheduler = OptimizerParamScheduler(optimizer, **settings.schedule)
+    no_sync = [chunk.no_sync for chunk in model]
+    config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    # Folded projections (MEA's `weights` exchange, `kha_fold_linear`) fold once per step; the
+    # flush sends the micro-batches' gradients through the fold before Megatron reduces them.
+    # Models without such layers keep Megatron's finalize untouched.
+    finalize = finalize_model_grads
+    if sum(enable_fold_cache(chunk.module) for chunk in model):
+        finalize = with_fold_flush(finalize_model_grads)
+    config.finalize_model_grads_func = finalize
+    config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, scheduler
+
+
+def build_datasets(args: PretrainArgs, settings: RunSettings, tokenizer) -> tuple:
+    """(train, validation) GPT datasets of the run; validation is None without evaluation
+    (`--eval-iters 0`). Rank 0 builds first and writes the dataset index caches; the others
+    read them."""
+    from megatron_mea.data import build_gpt_datasets
+
+    build = partial(
+        build_gpt_datasets,
+        args.data_path,
+        args.split,
+        args.seq_length,
+        tokenizer,
+        settings.train_samples,
+        settings.eval_samples,
+        0,
+        args.seed,
+        args.mock_data,
+        settings.data_cache,
+    )
+    rank = dist.get_rank()
+    if rank == 0:
+        datasets = build()
+    dist.barrier()
+    if rank != 0:
+        datasets = build()
+    return datasets[0], None if args.eval_iters == 0 else datasets[1]
