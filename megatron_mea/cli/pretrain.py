@@ -44,13 +44,13 @@ def main(argv=None) -> int:
         return 2
     from megatron_mea.data import DatasetError
     from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
-    from megatron_mea.training.loop import (
+    from megatron_mea.training.errors import (
         CollectiveTimeout,
         RunFailure,
         TrainingInterrupted,
         TrainingStopped,
-        pretrain,
     )
+    from megatron_mea.training.loop import pretrain
     from megatron_mea.training.run_dir import RunDirectoryError
 
     try:

@@ -36,6 +36,12 @@ from megatron_mea.run_config import save_config
 from megatron_mea.training import processes, run_dir
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.training.batches import MicroBatches
+from megatron_mea.training.errors import (
+    CollectiveTimeout,
+    RunFailure,
+    TrainingInterrupted,
+    TrainingStopped,
+)
 from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
 from megatron_mea.training.setup import (
     build_datasets,
@@ -47,34 +53,6 @@ from megatron_mea.training.signals import ExitSignalHandler
 from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 
 logger = logging.getLogger(__name__)
-
-
-class TrainingStopped(RuntimeError):
-    """The run stopped on purpose (non-finite loss or grad norm under the `stop` policy)."""
-
-
-class CollectiveTimeout(RuntimeError):
-    """A collective waited past `--distributed-timeout-minutes`; the message names the rank
-    that stopped answering and the last checkpoint."""
-
-
-class RunFailure(RuntimeError):
-    """A write of the run failed while it trained (a checkpoint, `metrics.jsonl`): the message
-    says what failed and names the last checkpoint (the CLI exits 1 with it, one line)."""
-
-
-class TrainingInterrupted(RuntimeError):
-    """A signal stopped the run after the step in flight (`--exit-signal-handler`); the message
-    names the checkpoint saved.
-
-    Args:
-        signum: the signal (the CLI exits with 128 + signum, as the signal's default would).
-        message: one line.
-    """
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
 
 
 def _forward_step(data_iterator, model):
