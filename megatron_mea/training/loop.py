@@ -20,35 +20,17 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
 from megatron_mea._optional import import_extra
-from megatron_mea.checkpoint.torch_dist import training_state
-from megatron_mea.checkpoint.torch_dist.checks import (
-    ModelMismatchError,
-    checkpoint_dir,
-    data_settings,
-    explain_model_mismatch,
-)
+from megatron_mea.checkpoint.torch_dist import checks, training_state
 from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
 from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
 from megatron_mea.gpt import initialize
 from megatron_mea.run_config import save_config
-from megatron_mea.training import processes, run_dir
+from megatron_mea.training import errors, processes, run_dir, setup
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.training.batches import MicroBatches
-from megatron_mea.training.errors import (
-    CollectiveTimeout,
-    RunFailure,
-    TrainingInterrupted,
-    TrainingStopped,
-)
 from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
-from megatron_mea.training.setup import (
-    build_datasets,
-    claim_run_directories,
-    run_settings,
-    setup_model_and_optimizer,
-)
 from megatron_mea.training.signals import ExitSignalHandler
 from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 
@@ -99,7 +81,7 @@ class Trainer:
         require_cpu_patches("Trainer")
         self.args = args
         # Before any process: every value the run derives from its arguments, once.
-        self.settings = run_settings(args, config)
+        self.settings = setup.run_settings(args, config)
         initialize(args, timeout_minutes=args.distributed_timeout_minutes)
         self.heartbeat, self.save_lock, self.run_log = None, None, None
         # What failed on this rank in the step just done (the ranks agree on it after the step).
@@ -110,7 +92,7 @@ class Trainer:
             if dist.get_world_size() > 1:  # names a peer that stops answering
                 self.heartbeat = Heartbeat(args.distributed_timeout_minutes).start()
             # Before anything is built: one writer per --save, no silent fresh start over a run.
-            self.save_lock, loads = claim_run_directories(args)
+            self.save_lock, loads = setup.claim_run_directories(args)
             # Only now: a run refused above leaves no log file in a directory not its own.
             if args.save and dist.get_rank() == 0:
                 self.run_log = run_dir.attach_run_log(args.save)
@@ -130,7 +112,7 @@ class Trainer:
         # What every checkpoint of this run records of it (the vocabulary resolved above): its
         # data settings, and its arguments as Megatron-LM saves them (each checkpoint adds its
         # data position).
-        self.data_settings = data_settings(args)
+        self.data_settings = checks.data_settings(args)
         self.megatron_lm_args = megatron_lm_arguments(args, optimizer_saved=True)
         # Data tokenized for a larger vocabulary: named before the model is built (the
         # embedding would fail at the first batch holding such an id). The files as checked
@@ -147,7 +129,7 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
         self.config = settings.config
-        self.model, self.optimizer, self.scheduler = setup_model_and_optimizer(args, settings)
+        self.model, self.optimizer, self.scheduler = setup.setup_model_and_optimizer(args, settings)
         self.iteration, consumed = 0, 0
         if loads:
             try:
@@ -158,12 +140,12 @@ class Trainer:
                     iteration=args.ckpt_step, data_settings=self.data_settings,
                     override_data_settings=args.override_checkpoint_data_settings,
                 )
-            except ModelMismatchError as exc:
+            except checks.ModelMismatchError as exc:
                 # A tensor's name or shape says little about which flag is off; the saving
                 # run's config.yaml names the setting.
-                raise explain_model_mismatch(args.load, args, exc) from None
+                raise checks.explain_model_mismatch(args.load, args, exc) from None
             self.last_checkpoint = (args.load, self.iteration)
-        self.train_data, self.valid_data = build_datasets(args, settings, self.tokenizer)
+        self.train_data, self.valid_data = setup.build_datasets(args, settings, self.tokenizer)
         self.train_batches = self._batches(self.train_data, consumed)
         self.valid_consumed = 0
         self.nan_streak = 0
@@ -241,8 +223,8 @@ class Trainer:
                 changed = self._data_changed(exc)
                 if changed is None:
                     raise
-                raise RunFailure(f"iteration {self.iteration + 1}: {changed}; "
-                                 f"{self._last_checkpoint_text()}") from None
+                raise errors.RunFailure(f"iteration {self.iteration + 1}: {changed}; "
+                                        f"{self._last_checkpoint_text()}") from None
             return _mean_over_data_parallel(loss_dicts)
 
     def train_step(self) -> dict:
@@ -307,12 +289,12 @@ class Trainer:
             self.rank, step, loss, grad_norm, args.nan_policy,
         )
         if args.nan_policy == "stop":
-            raise TrainingStopped(
+            raise errors.TrainingStopped(
                 f"iteration {step}: non-finite lm loss ({loss}) or grad norm ({grad_norm}); "
                 f"stopped with nan_policy=stop; {self._last_good_checkpoint_text()}"
             )
         if self.nan_streak >= args.nan_max_consecutive_skips:
-            raise TrainingStopped(
+            raise errors.TrainingStopped(
                 f"iteration {step}: {self.nan_streak} non-finite steps in a row (from iteration "
                 f"{step - self.nan_streak + 1}; nan_max_consecutive_skips="
                 f"{args.nan_max_consecutive_skips}); stopped, no checkpoint saved inside the "
@@ -349,7 +331,7 @@ class Trainer:
         except RuntimeError as exc:
             if not is_timeout(exc):
                 raise
-            raise CollectiveTimeout(
+            raise errors.CollectiveTimeout(
                 f"rank {self.rank}, iteration {self.iteration + 1}: "
                 f"{describe_timeout(self.heartbeat, args.distributed_timeout_minutes)}; "
                 f"{self._last_checkpoint_text()}"
@@ -385,8 +367,8 @@ class Trainer:
             signum, failed_rank = signals.agreed_stop(self.failure is not None)
             if failed_rank is not None:
                 cause = self.failure or f"rank {failed_rank} failed (its own line says why)"
-                raise RunFailure(f"iteration {self.iteration}: {cause}; "
-                                 f"{self._last_checkpoint_text()}")
+                raise errors.RunFailure(f"iteration {self.iteration}: {cause}; "
+                                        f"{self._last_checkpoint_text()}")
             done = self.iteration >= args.train_iters
             stop = args.exit_interval and self.iteration - started_at >= args.exit_interval
             saved = False
@@ -404,7 +386,7 @@ class Trainer:
                     self.save(args.save)
                     saved = True
             if signum and not done:
-                raise TrainingInterrupted(signum, self._interrupted(signum, saved))
+                raise errors.TrainingInterrupted(signum, self._interrupted(signum, saved))
             if stop:
                 break
 
@@ -419,21 +401,21 @@ class Trainer:
                     f"of {self.nan_streak} non-finite steps, so not saved; "
                     f"{self._last_good_checkpoint_text()}")
         return (f"interrupted by {name} after iteration {self.iteration}: saved checkpoint "
-                f"{checkpoint_dir(self.args.save, self.iteration)}; resume with "
+                f"{checks.checkpoint_dir(self.args.save, self.iteration)}; resume with "
                 f"--load {self.args.save}")
 
     def _last_checkpoint_text(self) -> str:
         if self.last_checkpoint is None:
             return "no checkpoint of this run yet"
         root, iteration = self.last_checkpoint
-        return f"the last checkpoint is {checkpoint_dir(root, iteration)}"
+        return f"the last checkpoint is {checks.checkpoint_dir(root, iteration)}"
 
     def _last_good_checkpoint_text(self) -> str:
         """Where to resume from after a non-finite streak (no checkpoint is saved inside one)."""
         if self.last_checkpoint is None:
             return "no checkpoint of this run before it"
         root, iteration = self.last_checkpoint
-        return (f"the last good checkpoint is {checkpoint_dir(root, iteration)}: "
+        return (f"the last good checkpoint is {checks.checkpoint_dir(root, iteration)}: "
                 f"resume from it with --load {root} --ckpt-step {iteration}")
 
     def save(self, root: str) -> None:
@@ -450,8 +432,8 @@ class Trainer:
                 megatron_lm_args=self.megatron_lm_args,
             )
         except training_state.SaveFailed as exc:
-            raise RunFailure(f"iteration {self.iteration}: {exc}; "
-                             f"{self._last_checkpoint_text()}") from None
+            raise errors.RunFailure(f"iteration {self.iteration}: {exc}; "
+                                    f"{self._last_checkpoint_text()}") from None
         self.last_checkpoint = (root, self.iteration)
 
     def _append_metrics(self, path: str, record: dict) -> None:

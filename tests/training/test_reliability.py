@@ -488,7 +488,7 @@ def test_sigint_finishes_the_step_saves_and_exits_130_and_resume_continues(tmp_p
 
 def _signal_rank(rank, world_size, argv, signalled_rank, when):
     """Train; rank `signalled_rank` sends itself SIGTERM during iteration `when`."""
-    from megatron_mea.training import loop
+    from megatron_mea.training import errors, loop
     from megatron_mea.training.arguments import parse_run
 
     if rank == signalled_rank:
@@ -503,7 +503,7 @@ def _signal_rank(rank, world_size, argv, signalled_rank, when):
         loop._masked_mean_loss = loss_then_signal
     try:
         loop.pretrain(*parse_run(argv))
-    except loop.TrainingInterrupted as exc:
+    except errors.TrainingInterrupted as exc:
         return exc.signum, str(exc)
     return None
 
@@ -691,7 +691,7 @@ def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
     only ("metrics": the size metrics.jsonl has then). Returns the RunFailure's line."""
     import resource
 
-    from megatron_mea.training import loop
+    from megatron_mea.training import errors, loop
     from megatron_mea.training.arguments import parse_run
 
     save = loop.Trainer.save
@@ -706,7 +706,7 @@ def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
     loop.Trainer.save = save_then_limit
     try:
         loop.pretrain(*parse_run(argv))
-    except loop.RunFailure as exc:
+    except errors.RunFailure as exc:
         return str(exc)
     finally:  # the harness writes this rank's result to a file
         resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
@@ -743,7 +743,7 @@ def test_a_metrics_write_that_fails_ends_in_one_line_keeping_whole_lines(tmp_pat
 def _train_changing_data(rank, world_size, argv, prefix, how):
     """Train; right after the first checkpoint the data at `prefix` is changed in place
     (`how`). Returns the RunFailure's line."""
-    from megatron_mea.training import loop
+    from megatron_mea.training import errors, loop
     from megatron_mea.training.arguments import parse_run
 
     save = loop.Trainer.save
@@ -759,7 +759,7 @@ def _train_changing_data(rank, world_size, argv, prefix, how):
     loop.Trainer.save = save_then_change
     try:
         loop.pretrain(*parse_run(argv))
-    except loop.RunFailure as exc:
+    except errors.RunFailure as exc:
         return str(exc)
     return None
 
