@@ -137,7 +137,7 @@ def test_sizes_left_unset_are_filled_in_one_way_by_every_consumer():
     sizes = derived_sizes(run)
     assert sizes == dict(num_query_groups=4, kv_channels=16, ffn_hidden_size=256,
                          moe_ffn_hidden_size=256, max_position_embeddings=64)
-    saved = megatron_lm_arguments(run, optimizer_saved=False, consumed_samples=0)
+    saved = megatron_lm_arguments(run, optimizer_saved=False)
     shape = ModelShape(**unset)
     config = gpt.transformer_config(run)
     for name, value in sizes.items():

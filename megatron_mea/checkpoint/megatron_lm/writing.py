@@ -29,9 +29,7 @@ _SAME_NAMED = (
 CHECKPOINT_VERSION = 3.0
 
 
-def megatron_lm_arguments(
-    args, *, optimizer_saved: bool, consumed_samples: int = 0
-) -> argparse.Namespace:
+def megatron_lm_arguments(args, *, optimizer_saved: bool) -> argparse.Namespace:
     """The saved arguments of a checkpoint this package writes, as Megatron-LM saves them: what
     `load_args_from_checkpoint` (`--use-checkpoint-args`, with the plugin's patch for the
     variant's fields) and `load_checkpoint` read. The inverse of `run_args_from_megatron_lm`.
@@ -40,7 +38,9 @@ def megatron_lm_arguments(
         args: the run's `RunArgs` (a description's, or `mea-pretrain`'s `PretrainArgs`).
         optimizer_saved: whether the checkpoint holds Megatron's optimizer state and scheduler.
             The RNG state is never Megatron-LM's (`no_save_rng`): Megatron-LM starts its own.
-        consumed_samples: training samples consumed (Megatron-LM continues its data there).
+
+    No data consumed (`consumed_train_samples` 0): a training checkpoint's writer puts in its
+    own position (`checkpoint.torch_dist.training_state.save_checkpoint`).
     """
     saved = {name: getattr(args, name) for name in MODEL_FIELDS}
     # Megatron-LM's validate_args fills these in before it saves them.
@@ -52,7 +52,7 @@ def megatron_lm_arguments(
         ckpt_format="torch_dist",
         no_save_optim=not optimizer_saved,
         no_save_rng=True,
-        consumed_train_samples=consumed_samples,
+        consumed_train_samples=0,
         # Megatron-LM takes a tokenizer from here only where there is one to take.
         tokenizer_type=args.tokenizer_type if args.tokenizer_model else None,
         tokenizer_model=args.tokenizer_model,
