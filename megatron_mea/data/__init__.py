@@ -155,7 +155,7 @@ def build_gpt_datasets(
                         f"--data-path prefix {prefix!r}: {prefix + suffix} does not exist"
                     )
             # Before Megatron reads them: a damaged file or an empty split named in one line.
-            check_splits(prefix, check_dataset_files(prefix), split)
+            check_splits(prefix, check_dataset_files(prefix, cache_dir), split)
 
     config = (GPTDatasetConfig if mock else IdentifiedGPTDatasetConfig)(
         random_seed=seed,

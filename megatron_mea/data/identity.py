@@ -17,28 +17,24 @@ import os
 import time
 from typing import Dict, List, Optional, Tuple
 
-from megatron_mea.data.checks import DatasetError
+from megatron_mea.data.checks import DatasetError, read_cache, file_key
 from megatron_mea.files import atomic_write
 
 _CACHE = "data_identity.json"
 _BLOCK = 1 << 24  # bytes hashed per read
 
 
-def _stat_key(path: str) -> str:
-    stat = os.stat(path)
-    return f"{os.path.abspath(path)}:{stat.st_size}:{stat.st_mtime_ns}"
-
-
 def data_identity(prefix: str, cache_dir: Optional[str] = None) -> str:
     """`<blake2b of prefix.idx>-<bytes of prefix.bin>`: equal for equal data on any node.
 
     The `.idx` (20 bytes per document) is hashed in full, once per file version: the digest is
-    kept in `cache_dir/data_identity.json`, keyed by the file's path, size and modification time.
+    kept in `cache_dir/data_identity.json`, keyed by the file's path, size, modification time
+    and inode (`checks.file_key`).
     """
     idx = prefix + ".idx"
-    key = _stat_key(idx)
+    key = file_key(idx)
     cache = os.path.join(cache_dir, _CACHE) if cache_dir else None
-    known = _read_cache(cache)
+    known = read_cache(cache)
     digest = known.get(key)
     if digest is None:
         hasher = hashlib.blake2b(digest_size=16)
@@ -52,16 +48,6 @@ def data_identity(prefix: str, cache_dir: Optional[str] = None) -> str:
             with atomic_write(cache) as handle:  # every rank may: one temporary file each
                 json.dump(known, handle)
     return f"{digest}-{os.path.getsize(prefix + '.bin')}"
-
-
-def _read_cache(cache: Optional[str]) -> dict:
-    if not cache or not os.path.isfile(cache):
-        return {}
-    try:
-        with open(cache, encoding="utf-8") as handle:
-            return json.load(handle)
-    except (OSError, ValueError):
-        return {}  # a damaged cache is only a cache: hash again
 
 
 class DataChanged(DatasetError):

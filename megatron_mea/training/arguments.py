@@ -337,7 +337,7 @@ def _validate_run_inputs(args: PretrainArgs) -> None:
 
         for path in args.data_path:
             if not _is_weight(path) and os.path.exists(path + ".idx"):
-                check_splits(path, check_dataset_files(path), args.split)
+                check_splits(path, check_dataset_files(path, data_cache_dir(args)), args.split)
 
 
 def _validate_choices(args: PretrainArgs) -> None:
