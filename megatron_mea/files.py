@@ -5,11 +5,17 @@ The new content goes to a temporary file beside the target, is flushed to disk (
 renamed over the target (atomic on POSIX within one file system); the directory is synced after,
 so that the rename itself survives a power loss. A failed write removes its temporary file and
 leaves the target as it was.
+
+`no_room_cause` says in plain words why a write found no room (a full disk, a quota, a file-size
+limit), however the writer reported it.
 """
 
 import contextlib
+import errno
 import os
-from typing import IO, Iterator, Optional
+import re
+import resource
+from typing import IO, Iterator, List, Optional
 
 
 def temporary_name(path: str) -> str:
@@ -56,3 +62,63 @@ def atomic_write(path: str, mode: str = "w", encoding: Optional[str] = "utf-8") 
     finally:
         if os.path.exists(staged):
             os.remove(staged)
+
+
+# Why a write found no room, in plain words, by errno.
+_NO_ROOM = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
+            errno.EFBIG: "file size limit reached (ulimit -f)"}
+
+
+def no_room_cause(exc: BaseException, path: str) -> Optional[str]:
+    """"disk full", "disk quota exceeded" or "file size limit reached (ulimit -f)" when `exc`
+    (or an error it wraps) is a write into `path` (a file or directory being written) that
+    found no room; else None.
+
+    The writers report it three ways: an `OSError` with its errno (Python's files); an error
+    whose message ends in `(os error N)` (safetensors' Rust writer); and torch's archive writer
+    (`torch.save`), for which a short write is a `RuntimeError` "unexpected pos N vs M" with no
+    errno: there the cause is looked up (the file system of `path` has less than 1 MiB left:
+    disk full; a file-size limit is set: that limit).
+    """
+    for error in _wrapped(exc):
+        code = error.errno if isinstance(error, OSError) else None
+        message = str(error) if code is None else ""
+        found = re.search(r"\(os error (\d+)\)", message)
+        if found:
+            code = int(found[1])
+        elif re.search(r"unexpected pos \d+ vs \d+", message):
+            code = _short_write_cause(path)
+            if code is None:
+                return "a short write (disk full or a file size limit)"
+        if code in _NO_ROOM:
+            return _NO_ROOM[code]
+    return None
+
+
+def _wrapped(exc: BaseException) -> List[BaseException]:
+    """`exc`, the errors it was raised from or while handling, and the per-rank errors that
+    torch.distributed.checkpoint's `CheckpointException` holds in `failures`."""
+    found: List[BaseException] = []
+    pending = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or any(error is seen for seen in found):
+            continue
+        found.append(error)
+        pending += [error.__cause__, error.__context__]
+        failures = getattr(error, "failures", None)
+        if isinstance(failures, dict):
+            pending += [pair[0] for pair in failures.values() if isinstance(pair, tuple) and pair]
+    return found
+
+
+def _short_write_cause(path: str) -> Optional[int]:
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):  # the output may be gone already (removed on failure)
+        existing = os.path.dirname(existing)
+    stat = os.statvfs(existing)
+    if stat.f_bavail * stat.f_frsize < 1 << 20:
+        return errno.ENOSPC
+    if resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY:
+        return errno.EFBIG
+    return None

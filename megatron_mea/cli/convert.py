@@ -36,6 +36,7 @@ import torch
 
 from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cpu import megatron_on_cpu
+from megatron_mea.files import no_room_cause
 from megatron_mea.variant import choices, field_help
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -242,9 +243,21 @@ def main(argv=None) -> int:
         # A refused input (ConversionError and CheckpointError are ValueErrors).
         print(f"mea-convert: error: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # unreadable inputs, unwritable outputs: a failure at run time
-        print(f"mea-convert: error: {exc}", file=sys.stderr)
-        return 1
+    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException, which
+        # wraps the writers' errors, is a BaseException. A failure at run time: exit 1; anything
+        # else (a bug, Ctrl-C) goes on as it came.
+        save = getattr(args, "save", None)
+        cause = no_room_cause(exc, save) if save else None
+        if cause is not None:
+            # torch.save, safetensors and Python's files each say it their own way (torch:
+            # "unexpected pos N vs M"); the staged output is already removed.
+            print(f"mea-convert: error: {save}: {cause}; nothing written (the partial output "
+                  "was removed)", file=sys.stderr)
+            return 1
+        if isinstance(exc, OSError):  # unreadable inputs, unwritable outputs
+            print(f"mea-convert: error: {exc}", file=sys.stderr)
+            return 1
+        raise
     return 0
 
 

@@ -9,7 +9,9 @@ Megatron-LM, the dataset is written to exactly <output-prefix>.bin/.idx (no `_te
 suffix), and one worker process does the work.
 
 Exit status: 0 when a dataset was written (malformed inputs are reported but skipped), 1 when no
-document was written, 2 on a usage error or, with --strict, on any malformed input.
+document was written (one line naming the inputs) or the output could not be written (a full
+disk: one line naming the output, the partial output removed), 2 on a usage error or, with
+--strict, on any malformed input.
 """
 
 import argparse
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except (ValueError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"mea-preprocess: error: {err}", file=sys.stderr)
         return 2
     try:
         summary = preprocess_files(
@@ -120,15 +122,20 @@ def main(argv=None) -> int:
         )
     except PreprocessError as err:
         print(err.summary.describe(args.max_errors_shown))
-        print(
-            "error: --strict and malformed inputs were found; nothing was written", file=sys.stderr
-        )
+        print("mea-preprocess: error: --strict and malformed inputs were found; nothing was "
+              "written", file=sys.stderr)
         return 2
-    except (ValueError, OSError) as err:
-        print(f"error: {err}", file=sys.stderr)
+    except ValueError as err:
+        print(f"mea-preprocess: error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # an unreadable input; a full disk (named, in plain words)
+        print(f"mea-preprocess: error: {err}", file=sys.stderr)
+        return 1
     print(summary.describe(args.max_errors_shown))
-    return 0 if summary.documents > 0 else 1
+    if not summary.written:
+        print(f"mea-preprocess: error: {summary.why_empty()}; nothing written", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

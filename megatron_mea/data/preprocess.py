@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from megatron_mea.files import publish
+from megatron_mea.files import no_room_cause, publish
 
 try:
     from tqdm import tqdm
@@ -76,9 +76,21 @@ class PreprocessSummary:
         lines += [f"  {err}" for err in self.errors[:max_errors]]
         if len(self.errors) > max_errors:
             lines.append(f"  ... and {len(self.errors) - max_errors} more")
-        where = f"{self.output_prefix}.bin/.idx" if self.written else "nothing (see above)"
-        lines.append(f"dataset written: {where}")
+        if self.written:
+            lines.append(f"dataset written: {self.output_prefix}.bin/.idx")
+        else:
+            lines.append(f"dataset written: nothing ({self.why_empty()})")
         return "\n".join(lines)
+
+    def why_empty(self) -> str:
+        """Why no document was written, in one line naming the inputs: "a.jsonl: no documents
+        (2 malformed inputs skipped)"."""
+        names = ", ".join(self.files[:3]) + (f" and {len(self.files) - 3} more"
+                                             if len(self.files) > 3 else "")
+        skipped = [f"{count} {what} skipped" for count, what in (
+            (len(self.errors), "malformed inputs"), (self.empty_documents, "empty documents"))
+            if count]
+        return f"{names}: no documents" + (f" ({', '.join(skipped)})" if skipped else "")
 
 
 class PreprocessError(ValueError):
@@ -208,13 +220,16 @@ def preprocess_files(
 
     Returns:
         The `PreprocessSummary`. If no document was written, nothing is published and
-        `summary.written` is False.
+        `summary.written` is False (`summary.why_empty()` says why).
 
     Raises:
         FileNotFoundError: if an input does not exist (checked before anything is written).
         ValueError: if `output_prefix` ends in .bin/.idx, or the tokenizer yields an id outside
             [0, vocab_size).
         PreprocessError: in strict mode, when an input is malformed.
+        OSError: an input that cannot be read; or the output's disk is full (its quota or a
+            file-size limit reached): one line naming the output and the cause in plain
+            words, the partial output removed.
     """
     if output_prefix.endswith((".bin", ".idx")):
         raise ValueError(
@@ -248,19 +263,24 @@ def preprocess_files(
     try:
         with redirect:
             _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance)
-        if summary.documents == 0:
-            logger.error("no document was written from %d input file(s)", len(paths))
-        elif strict and summary.errors:
+        if strict and summary.errors and summary.documents:
             raise PreprocessError(summary)
-        else:
+        if summary.documents:
             builder.finalize(tmp_prefix + ".idx")
             _publish(tmp_prefix, output_prefix)
             published = summary.written = True
+    except OSError as exc:
+        cause = no_room_cause(exc, out_dir)
+        if cause is None:
+            raise
+        raise OSError(f"{output_prefix}.bin/.idx: {cause}; nothing written (the partial "
+                      "output was removed)") from exc
     finally:
         if bar is not None:
             bar.close()
         if not published:
-            builder.data_file.close()
+            with contextlib.suppress(OSError):  # on a full disk, the close's flush fails too
+                builder.data_file.close()
             for suffix in (".bin", ".idx"):
                 if os.path.exists(tmp_prefix + suffix):
                     os.remove(tmp_prefix + suffix)

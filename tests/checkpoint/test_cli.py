@@ -113,3 +113,22 @@ def test_messages_name_what_is_wrong_and_quiet_goes_anywhere(checkpoints, tmp_pa
         args = build_parser().parse_args([*argv, "--load", "x", "--num-kv-components", "1",
                                           "--data-path", "d"])
         assert args.quiet == ("--quiet" in argv)
+
+
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(checkpoints, tmp_path,
+                                                                      capsys):
+    # import-hf ended in a 33-line traceback (torch.save's short write: "unexpected pos N vs
+    # M"), export-hf in "[Errno 28] No space left on device" naming no output. The disk fills
+    # in the middle of the weights (a file-size limit: EFBIG, as a full disk gives ENOSPC).
+    from tests._limits import file_size_limit
+
+    hf_dir, source = checkpoints.hf("qwen3")[0], checkpoints.imported("qwen3")
+    meg, out = str(tmp_path / "meg"), str(tmp_path / "hf")
+    with file_size_limit(32 * 1024):
+        imported = main(["--quiet", "import-hf", "--hf-dir", hf_dir, "--save", meg])
+        exported = main(["--quiet", "export-hf", "--load", source, "--save", out])
+    assert (imported, exported) == (1, 1)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"mea-convert: error: {path}: file size limit reached (ulimit -f); nothing "
+                     "written (the partial output was removed)" for path in (meg, out)]
+    assert os.listdir(tmp_path) == []

@@ -121,7 +121,29 @@ def test_nothing_is_published_when_no_document_is_written(tmp_path, tok):
     jsonl = _write(tmp_path / "bad.jsonl", "nope\n")
     summary = preprocess_files([jsonl], str(tmp_path / "ds"), tok, progress=False)
     assert (summary.documents, summary.written, len(summary.errors)) == (0, False, 1)
+    assert summary.why_empty() == f"{jsonl}: no documents (1 malformed inputs skipped)"
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
+
+
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, capsys):
+    # It printed "error: [Errno 28] No space left on device" naming neither the tool nor the
+    # file, and left the partial .bin behind (the close's flush failed too). The disk fills in
+    # the middle of the .bin (a file-size limit: EFBIG, as a full disk gives ENOSPC).
+    from tests._limits import file_size_limit
+
+    cli = _load_cli()
+    corpus = _write(tmp_path / "c.jsonl", "".join(json.dumps({"text": f"document {i} " * 40})
+                                                  + "\n" for i in range(40)))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with file_size_limit(8192):
+        rc = cli.main(["--input", corpus, "--output-prefix", str(out_dir / "ds"),
+                       "--tokenizer-type", "ByteLevelTokenizer", "--no-progress"])
+    assert rc == 1
+    assert capsys.readouterr().err == (
+        f"mea-preprocess: error: {out_dir / 'ds'}.bin/.idx: file size limit reached (ulimit -f); "
+        "nothing written (the partial output was removed)\n")
+    assert os.listdir(out_dir) == []
 
 
 def test_strict_mode_writes_nothing_and_raises_with_every_error(tmp_path, tok):
@@ -213,11 +235,13 @@ def test_cli_exit_codes_and_summary(tmp_path, capsys):
     )
     assert rc == 2 and not os.path.exists(tmp_path / "s.bin")
 
-    _write(tmp_path / "empty.jsonl", "\n")
-    rc = cli.main(
-        ["--input", str(tmp_path / "empty.jsonl"), "--output-prefix", str(tmp_path / "e"), *common]
-    )
-    assert rc == 1
+    capsys.readouterr()
+    empty = _write(tmp_path / "empty.jsonl", "\n")
+    rc = cli.main(["--input", empty, "--output-prefix", str(tmp_path / "e"), *common])
+    out, err = capsys.readouterr()
+    # It said "dataset written: nothing (see above)" with nothing above.
+    assert rc == 1 and out.endswith(f"dataset written: nothing ({empty}: no documents)\n")
+    assert err == f"mea-preprocess: error: {empty}: no documents; nothing written\n"
 
     with pytest.raises(SystemExit) as info:
         cli.main(["--input", str(tmp_path / "*.none"), "--output-prefix", "x", *common])
