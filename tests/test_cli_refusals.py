@@ -48,6 +48,17 @@ def test_dry_run_help_is_its_own_and_megatrons_flags_are_behind_help_all(capsys)
     # Megatron-LM divides by it while filling defaults: a ZeroDivisionError traceback before
     (["--tensor-model-parallel-size", "0"], "1",
      "--tensor-model-parallel-size must be at least 1, got 0"),
+    # Megatron-LM's validate_args asserts these; the dry run called them valid before.
+    (["--num-attention-heads", "7"], "1",
+     "--hidden-size (256) must be divisible by --num-attention-heads (7) (or give --kv-channels)"),
+    (["--group-query-attention", "--num-query-groups", "3"], "1",
+     "--num-attention-heads (8) must be divisible by --num-query-groups (3)"),
+    (["--pipeline-model-parallel-size", "2", "--account-for-embedding-in-pipeline-split"], "2",
+     "--num-layers (4, 5 with the embedding/loss counted) must be divisible by "
+     "--pipeline-model-parallel-size (2)"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], "2",
+     "--num-layers-per-virtual-pipeline-stage (3) must divide the 2 layers of each pipeline "
+     "stage"),
 ])
 def test_dry_run_an_invalid_launch_is_a_refusal_one_line_and_exit_2(extra, world_size, message,
                                                                      capsys):

@@ -6,8 +6,9 @@
    (`mlm_flags.py`), plus `add_mea_args`: unknown flags, missing values, bad types and bad choices
    fail as they would in Megatron-LM.
 2. Applies the parts of Megatron-LM's `validate_args` that decide whether a launch can start at all
-   (world-size divisibility by TP*PP*CP and by the expert grid, batch divisibility, layers per
-   pipeline stage, SP with MoE+TP, experts per EP rank) and the defaults it fills in.
+   (world-size divisibility by TP*PP*CP and by the expert grid, batch divisibility, hidden size
+   by heads, layers per pipeline and virtual pipeline stage, SP with MoE+TP, experts per EP
+   rank, the retain and memory-log intervals) and the defaults it fills in.
 3. Builds `MEATransformerConfig` from the args the way `core_transformer_config_from_args` does
    (every arg whose name is a config field, plus its special cases), so Megatron-Core's and the
    plugin's own `__post_init__` checks run.
@@ -99,7 +100,8 @@ def _fill_megatron_defaults(args: argparse.Namespace, world_size: int) -> None:
     if args.ffn_hidden_size is None and args.hidden_size is not None:
         args.ffn_hidden_size = (int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu
                                 else 4 * args.hidden_size)
-    if args.kv_channels is None and args.hidden_size and args.num_attention_heads:
+    if (args.kv_channels is None and args.hidden_size and args.num_attention_heads
+            and args.hidden_size % args.num_attention_heads == 0):  # else `check_launch` says so
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.num_experts is not None and args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
@@ -138,11 +140,16 @@ def check_launch(args: argparse.Namespace) -> list:
                           f"--expert-model-parallel-size ({ep})")
         if tp > 1 and not args.sequence_parallel:
             errors.append("MoE with tensor parallelism needs --sequence-parallel")
-    uneven = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
-              args.pipeline_model_parallel_layout)
-    if all(x is None for x in uneven) and args.num_layers % pp:
-        errors.append(f"--num-layers ({args.num_layers}) must be divisible by "
-                      f"--pipeline-model-parallel-size ({pp})")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        # Megatron-LM derives the head size as hidden / heads only when they divide.
+        errors.append(f"--hidden-size ({args.hidden_size}) must be divisible by "
+                      f"--num-attention-heads ({args.num_attention_heads}) (or give --kv-channels)")
+    groups = args.num_query_groups if args.group_query_attention else None
+    if groups and args.num_attention_heads % groups:
+        # Megatron-Core's attention divides the heads into the groups when it is built.
+        errors.append(f"--num-attention-heads ({args.num_attention_heads}) must be divisible "
+                      f"by --num-query-groups ({groups})")
+    errors += _pipeline_split_problems(args)
     if args.max_position_embeddings < args.seq_length:
         errors.append(f"--max-position-embeddings ({args.max_position_embeddings}) is smaller "
                       f"than --seq-length ({args.seq_length})")
@@ -159,7 +166,37 @@ def check_launch(args: argparse.Namespace) -> list:
         errors.append("TP or CP > 1 needs CUDA_DEVICE_MAX_CONNECTIONS=1 in the environment")
     if args.fp16 and args.bf16:
         errors.append("--fp16 and --bf16 are exclusive")
+    if args.save and args.save_retain_interval is not None and args.save_interval and (
+            args.save_retain_interval % args.save_interval):
+        errors.append(f"--save-retain-interval ({args.save_retain_interval}) must be divisible "
+                      f"by --save-interval ({args.save_interval})")
+    if args.log_memory_interval is not None and args.log_memory_interval % args.log_interval:
+        errors.append(f"--log-memory-interval ({args.log_memory_interval}) must be divisible by "
+                      f"--log-interval ({args.log_interval})")
     return errors
+
+
+def _pipeline_split_problems(args: argparse.Namespace) -> list:
+    """Megatron-LM's layer split over pipeline stages (and virtual stages): the layers, plus one
+    for the embedding and one for the loss where `--account-for-*-in-pipeline-split` counts
+    them, are divisible by PP, and each stage's layers by `--num-layers-per-virtual-pipeline-stage`.
+    Uneven splits (first/last stage layers, a layout) are left to Megatron-LM."""
+    uneven = (args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers,
+              args.pipeline_model_parallel_layout)
+    if any(x is not None for x in uneven):
+        return []
+    pp = args.pipeline_model_parallel_size
+    layers = (args.num_layers + bool(args.account_for_embedding_in_pipeline_split)
+              + bool(args.account_for_loss_in_pipeline_split))
+    counted = "" if layers == args.num_layers else f", {layers} with the embedding/loss counted"
+    if layers % pp:
+        return [f"--num-layers ({args.num_layers}{counted}) must be divisible by "
+                f"--pipeline-model-parallel-size ({pp})"]
+    per_virtual = args.num_layers_per_virtual_pipeline_stage
+    if pp > 1 and per_virtual and (layers // pp) % per_virtual:
+        return [f"--num-layers-per-virtual-pipeline-stage ({per_virtual}) must divide the "
+                f"{layers // pp} layers of each pipeline stage"]
+    return []
 
 
 @contextlib.contextmanager
