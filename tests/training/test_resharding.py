@@ -94,7 +94,27 @@ def _resume_everywhere(rank, world_size, base, saved, resaved, probe_schedule):
         )
         results["legacy"] = _probe_legacy(base, saved + "-legacy", parse_run, Trainer,
                                           CheckpointError)
+        results["batch"] = _probe_batch(base, saved, parse_run, Trainer, CheckpointError, log)
     return results
+
+
+def _probe_batch(base, saved, parse_run, Trainer, CheckpointError, log):
+    """A resume with another --global-batch-size (16, not 8), without and with
+    --override-opt_param-scheduler: what it raises or logs."""
+    from megatron.core import parallel_state
+
+    probes = {}
+    for name, flags in {"plain": [], "override": ["--override-opt_param-scheduler"]}.items():
+        del log.lines[:]
+        try:
+            Trainer(*parse_run([*base, "--load", saved, "--global-batch-size", "16", *flags]))
+            probes[name] = dict(log=[line for line in log.lines
+                                     if "global batch size" in line or "loaded" in line])
+        except CheckpointError as exc:
+            probes[name] = dict(error=str(exc))
+        finally:
+            parallel_state.destroy_model_parallel()
+    return probes
 
 
 def _probe_legacy(base, legacy, parse_run, Trainer, CheckpointError):
@@ -220,8 +240,12 @@ def test_the_log_says_what_was_resharded(resumed):
     assert "RNG state not restored" in line and "global sample 48" in line
     (line,) = resumed["results"]["ep2"]["log"]
     assert "EP=2" in line and "RNG state restored" in line  # same (PP, TP): RNG kept
+    assert line.endswith("settings changed since the checkpoint: --expert-model-parallel-size "
+                         "1 -> 2, --exit-interval 6 -> None")
     (line,) = resumed["results"]["same"]["log"]
     assert "loaded at the same layout" in line
+    # The saving run stopped at --exit-interval 6; the resume runs on without one.
+    assert line.endswith("settings changed since the checkpoint: --exit-interval 6 -> None")
     (line,) = resumed["results"]["pp2-fresh-optimizer"]["log"]
     assert "optimizer and learning-rate schedule start fresh (--no-load-optim)" in line
 
@@ -247,6 +271,23 @@ def test_another_schedule_needs_megatron_lm_s_flags(resumed):
     assert "--use-checkpoint-opt_param-scheduler" in message
     assert probes["override"] == dict(num_steps=SAVED_AT, lr_decay_steps=12)
     assert probes["use-checkpoint"] == dict(num_steps=SAVED_AT, lr_decay_steps=9)
+
+
+@pytest.mark.parametrize("resumed", ["mea"], indirect=True)
+def test_another_global_batch_size_needs_megatron_lm_s_flags_and_is_stated(resumed):
+    # Megatron-LM's schedule counts samples, so its scheduler check refuses this change; the
+    # schedule here counts iterations, and the change used to pass without a word.
+    probes = resumed["results"]["batch"]
+    assert probes["plain"]["error"].endswith(
+        "learning-rate schedule differs from the checkpoint's: global_batch_size 16 (from "
+        "--global-batch-size), checkpoint 8. Pass --override-opt_param-scheduler to use this "
+        "run's settings or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+    warning, summary = probes["override"]["log"]
+    assert warning.endswith("the global batch size changes from the checkpoint's 8 to 16 "
+                            "(--global-batch-size, accepted with --override-opt_param-scheduler)"
+                            ": each step from here reads 16 samples")
+    assert summary.endswith("settings changed since the checkpoint: --global-batch-size 8 -> 16, "
+                            "--exit-interval 6 -> None")
 
 
 def test_distributed_optimizer_formats_follow_megatron_lm(single_rank):

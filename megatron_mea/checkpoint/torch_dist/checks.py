@@ -6,6 +6,7 @@ turns a tensor mismatch into the model settings that differ, read from the run's
 `config.yaml`. Every message is one line naming the file, the tensor or the setting.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -319,13 +320,34 @@ DATA_SETTINGS = {"vocab_size": "--vocab-size", "tokenizer_type": "--tokenizer-ty
                  "tokenizer": "--tokenizer-model", "seq_length": "--seq-length"}
 
 
+# Flags of one invocation rather than of the run: a resume differs in them by design.
+INVOCATION_SETTINGS = frozenset({
+    "save", "load", "ckpt_step", "rewind_save", "overwrite_save", "no_load_optim", "no_load_rng",
+    "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler",
+    "override_checkpoint_data_settings", "exit_on_missing_checkpoint", "no_progress_bar",
+})
+
+
 def data_settings(args) -> dict:
-    """The settings of `args` (a `RunArgs`, vocab_size resolved) a checkpoint records; the
-    tokenizer by its directory's name (a run may move, the tokenizer stays the same)."""
+    """The settings of `args` (a `RunArgs`, vocab_size resolved) a checkpoint records: those of
+    `DATA_SETTINGS`, the tokenizer by its directory's name (a run may move, the tokenizer stays
+    the same), and under "run" every setting of the run but `INVOCATION_SETTINGS`, which a
+    resume names where they changed (`setting_changes`)."""
     model = args.tokenizer_model
+    run = {name: list(value) if isinstance(value, tuple) else value
+           for name, value in dataclasses.asdict(args).items()
+           if name not in INVOCATION_SETTINGS}
     return dict(vocab_size=args.vocab_size, tokenizer_type=args.tokenizer_type,
                 tokenizer=os.path.basename(os.path.normpath(model)) if model else None,
-                seq_length=args.seq_length)
+                seq_length=args.seq_length, run=run)
+
+
+def setting_changes(saved: Optional[dict], current: dict) -> list:
+    """"--global-batch-size 8 -> 16" for each setting of `current["run"]` whose value in the
+    checkpoint's `saved` settings differs ([] for a checkpoint that has none recorded)."""
+    before, now = (saved or {}).get("run") or {}, current.get("run") or {}
+    return [f"--{name.replace('_', '-')} {before[name]} -> {now[name]}"
+            for name in now if name in before and before[name] != now[name]]
 
 
 def check_data_settings(directory: str, saved, current: dict, override: bool) -> None:

@@ -181,17 +181,35 @@ def state_kinds(request) -> list:
     return sorted(kinds)
 
 
-def check_schedule(directory, scheduler, saved: dict) -> None:
+def check_schedule(directory, scheduler, saved: dict, batch_sizes=(None, None)) -> None:
     """Megatron-LM's rule, with a message instead of an assert: unless told which to use
     (--override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler), the schedule's
-    settings must equal the checkpoint's."""
-    if scheduler.override_opt_param_scheduler or scheduler.use_checkpoint_opt_param_scheduler:
+    settings must equal the checkpoint's.
+
+    `batch_sizes` (the checkpoint's global batch size, this run's) are held to the same rule:
+    Megatron-LM counts its schedule in samples, so its scheduler check refuses a changed
+    `--global-batch-size`; this schedule counts iterations, which would let the change pass
+    unseen. Told to go on, the change is stated in a warning, as Megatron-LM logs its override.
+    """
+    (saved_batch, batch), told = batch_sizes, (scheduler.override_opt_param_scheduler
+                                               or scheduler.use_checkpoint_opt_param_scheduler)
+    batch_changed = saved_batch is not None and batch != saved_batch
+    if told:
+        if batch_changed:
+            flag = ("--override-opt_param-scheduler" if scheduler.override_opt_param_scheduler
+                    else "--use-checkpoint-opt_param-scheduler")
+            logger.warning("%s: the global batch size changes from the checkpoint's %s to %s "
+                           "(--global-batch-size, accepted with %s): each step from here reads "
+                           "%s samples", directory, saved_batch, batch, flag, batch)
         return
     differences = [
         f"{name} {getattr(scheduler, name)!r} (from {flag}), checkpoint {saved[name]!r}"
         for name, flag in _SCHEDULE_SETTINGS
         if name in saved and getattr(scheduler, name) != saved[name]
     ]
+    if batch_changed:
+        differences.append(f"global_batch_size {batch} (from --global-batch-size), checkpoint "
+                           f"{saved_batch}")
     if differences:
         raise CheckpointError(
             f"{directory}: this run's learning-rate schedule differs from the checkpoint's: "

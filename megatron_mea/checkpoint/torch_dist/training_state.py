@@ -41,6 +41,7 @@ from megatron_mea.checkpoint.torch_dist.checks import (
     checkpoint_dir,
     chunks_of,
     latest_iteration,
+    setting_changes,
     verify_checkpoint,
 )
 from megatron_mea.checkpoint.megatron_lm.writing import CHECKPOINT_VERSION
@@ -405,7 +406,11 @@ def load_checkpoint(
         problem = optimizer_reshard_problem(saved_metadata, changes)
         if problem:
             raise CheckpointError(f"{directory}: {problem}")
-        optimizer_state.check_schedule(directory, scheduler, common["opt_param_scheduler"])
+        saved_run = (common.get("data_settings") or {}).get("run") or {}
+        optimizer_state.check_schedule(
+            directory, scheduler, common["opt_param_scheduler"],
+            batch_sizes=(saved_run.get("global_batch_size"),
+                         ((data_settings or {}).get("run") or {}).get("global_batch_size")))
         request = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
         optimizer_state.require_saved_tensors(
             directory, integrity.read_index(directory), request
@@ -439,13 +444,15 @@ def load_checkpoint(
         logger.log(
             logging.INFO if load_optimizer else logging.WARNING,
             "%s", _resume_summary(directory, iteration, consumed, saved_layout, layout, changes,
-                                  model_only, kinds if load_optimizer else None, load_rng),
+                                  model_only, kinds if load_optimizer else None, load_rng,
+                                  setting_changes(common.get("data_settings"),
+                                                  data_settings or {})),
         )
     return iteration, consumed
 
 
 def _resume_summary(directory, iteration, consumed, saved_layout, layout, changes, model_only,
-                    kinds, rng_loaded) -> str:
+                    kinds, rng_loaded, settings_changed) -> str:
     lines = [f"loaded checkpoint {directory} (iteration {iteration})"]
     if model_only:
         lines.append("a model-only checkpoint (no optimizer state): loading the model only "
@@ -469,4 +476,6 @@ def _resume_summary(directory, iteration, consumed, saved_layout, layout, change
         else:
             lines.append("RNG state not restored (--no-load-rng)")
     lines.append(f"data: continues at global sample {consumed} (same order at any DP size)")
+    lines.append("settings changed since the checkpoint: " + (", ".join(settings_changed)
+                                                              or "none"))
     return "; ".join(lines)
