@@ -5,7 +5,6 @@ schedules' `forward_backward_func` (micro-batches, gradient accumulation, PP, in
 pipeline stages with one model chunk each), then the optimizer.
 """
 
-import json
 import logging
 import math
 import os
@@ -31,7 +30,7 @@ from megatron_mea.run_config import save_config
 from megatron_mea.training import errors, processes, run_dir, setup
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.training.batches import MicroBatches
-from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
+from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, append_metrics, format_line
 from megatron_mea.training.signals import ExitSignalHandler
 from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 
@@ -110,7 +109,8 @@ class Trainer:
             self._next_stage(None)
         except BaseException as exc:
             # Named before the heartbeat stops (it tells who stopped answering).
-            timeout = self._timed_out() if is_timeout(exc) else None
+            ours = isinstance(exc, errors.ONE_LINE)
+            timeout = self._timed_out() if is_timeout(exc) and not ours else None
             self.close()
             if timeout is not None:
                 raise timeout from None
@@ -158,10 +158,9 @@ class Trainer:
         self.data_watch = None
         if settings.data_prefixes:
             from megatron_mea.data.checks import check_token_ids
-
-            self._next_stage("checking the data files")
             from megatron_mea.data.identity import DataWatch
 
+            self._next_stage("checking the data files")
             for prefix in settings.data_prefixes:
                 check_token_ids(prefix, args.vocab_size, settings.data_cache)
             self.data_watch = DataWatch(settings.data_prefixes)
@@ -374,7 +373,7 @@ class Trainer:
             with signals:
                 self._train_loop(history, started_at, progress, metrics_path, signals)
         except Exception as exc:
-            if not is_timeout(exc):
+            if isinstance(exc, errors.ONE_LINE) or not is_timeout(exc):
                 raise
             raise self._timed_out() from None
         finally:
@@ -433,33 +432,15 @@ class Trainer:
 
     def _interrupted(self, signum: int, saved: bool) -> str:
         """The line that ends a run stopped by `signum` (`saved`: a checkpoint was written)."""
-        name = signal.Signals(signum).name
-        if not self.args.save:
-            return (f"interrupted by {name} after iteration {self.iteration}; no --save, so "
-                    "no checkpoint was written")
-        if not saved:
-            return (f"interrupted by {name} after iteration {self.iteration}, inside a streak "
-                    f"of {self.nan_streak} non-finite steps, so not saved; "
-                    f"{self._last_good_checkpoint_text()}")
-        return (f"interrupted by {name} after iteration {self.iteration}: saved checkpoint "
-                f"{checks.checkpoint_dir(self.args.save, self.iteration)}; resume with "
-                f"--load {self.args.save}")
+        return errors.interrupted(signum, self.iteration, self.args.save, saved,
+                                  self.nan_streak, self._last_good_checkpoint_text())
 
     def _last_checkpoint_text(self) -> str:
-        if self.last_checkpoint is None:
-            if self.args.load:  # set-up, before the checkpoint is loaded
-                return f"no checkpoint of this run yet; --load {self.args.load} is untouched"
-            return "no checkpoint of this run yet"
-        root, iteration = self.last_checkpoint
-        return f"the last checkpoint is {checks.checkpoint_dir(root, iteration)}"
+        return errors.last_checkpoint_text(self.last_checkpoint, self.args.load)
 
     def _last_good_checkpoint_text(self) -> str:
         """Where to resume from after a non-finite streak (no checkpoint is saved inside one)."""
-        if self.last_checkpoint is None:
-            return "no checkpoint of this run before it"
-        root, iteration = self.last_checkpoint
-        return (f"the last good checkpoint is {checks.checkpoint_dir(root, iteration)}: "
-                f"resume from it with --load {root} --ckpt-step {iteration}")
+        return errors.last_good_checkpoint_text(self.last_checkpoint)
 
     def save(self, root: str) -> None:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
@@ -479,26 +460,13 @@ class Trainer:
                                     f"{self._last_checkpoint_text()}") from None
         self.last_checkpoint = (root, self.iteration)
 
-    def _append_metrics(self, path: str, record: dict) -> None:
-        """Append `record` to metrics.jsonl; a failed write (a full disk) is cut back to the
-        last whole line and recorded in `self.failure`, which stops the run after the step."""
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        try:
-            with open(path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
-        except OSError as exc:
-            self.failure = f"writing {path} failed: {training_state.describe_failure(exc)}"
-            try:
-                os.truncate(path, size)
-            except OSError:
-                pass  # a partial last line: readers of the file skip it
-
     def _report(self, record, progress, metrics_path):
         args = self.args
         scalars = {k: v for k, v in record.items() if k != "iteration"}
         self.tensorboard.add(scalars, record["iteration"])
         if metrics_path:
-            self._append_metrics(metrics_path, record)
+            # A failed write stops the run after the step (every rank agrees on it).
+            self.failure = append_metrics(metrics_path, record) or self.failure
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{record['lm loss']:.3f}")

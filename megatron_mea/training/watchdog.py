@@ -18,6 +18,7 @@ from datetime import timedelta
 from typing import List, Optional
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +38,13 @@ _TIMEOUT = re.compile(r"\btimed out\b|\btim(e|ing) ?out\b|failed to pass monitor
 def is_timeout(exc: BaseException) -> bool:
     """Whether `exc`, or an error it was raised from, is a collective (or the rendezvous
     store) that waited past its timeout (Megatron re-raises some as a plain `Exception`, e.g.
-    the dataset builder's "failed to build" from gloo's timed-out barrier)."""
+    the dataset builder's "failed to build" from gloo's timed-out barrier; torch's checkpoint
+    reader and writer gather them into a `CheckpointException`)."""
     seen = set()
-    while isinstance(exc, Exception) and id(exc) not in seen:
+    while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, (RuntimeError, TimeoutError)) and _TIMEOUT.search(str(exc)):
+        if (isinstance(exc, (RuntimeError, TimeoutError, CheckpointException))
+                and _TIMEOUT.search(str(exc))):
             return True
         exc = exc.__cause__ or exc.__context__
     return False
