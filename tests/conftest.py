@@ -98,6 +98,15 @@ ONE_RELEASE = {
     "tests/checkpoint/test_evaluation.py": "0.16",
     # Regenerated data trains (the cache key itself is tested on both, in tests/data).
     "tests/training/test_reliability.py::test_data_regenerated": "0.16",
+    # The signal handler's own rules (a duplicate held, a second Ctrl-C; a signal during
+    # set-up); the signals as clusters deliver them during training run on both.
+    "tests/training/test_reliability.py::test_a_duplicate_sigterm": "0.16",
+    "tests/training/test_reliability.py::test_a_signal_during_set_up": "0.16",
+    # A timeout during set-up (the dataset builder re-raises it) and a disk that fills inside
+    # torch's writer: the other leg has the timeout in a step and the full disk at a save.
+    "tests/training/test_reliability.py::test_a_rank_that_stops_during_set_up": "0.19",
+    "tests/training/test_reliability.py::test_a_full_disk_at_save_time_ends_in_one_line_and_"
+    "leaves_no_tmp[fills": "0.19",
     # `make demo`: its reruns, its console and its log files.
     "tests/test_demo.py": "0.16",
     # The lent GPU machine runs Python 3.12 with megatron-core 0.19 (its wheels are built so).

@@ -55,6 +55,10 @@ def main(argv=None) -> int:
 
     try:
         pretrain(args, config)
+    except KeyboardInterrupt:  # Ctrl-C before the signal handler is installed, or without it
+        print("mea-pretrain: interrupted by SIGINT before training began, or without "
+              "--exit-signal-handler: no checkpoint saved", file=sys.stderr)
+        return 130
     except (CheckpointError, RunDirectoryError, DatasetError) as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2

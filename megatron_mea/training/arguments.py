@@ -84,8 +84,10 @@ class PretrainArgs(RunArgs):
     that stopped answering (Megatron-LM's flag and default; fractions of a minute allowed)."""
     exit_signal_handler: bool = True
     """On SIGTERM, SIGINT or SIGHUP, finish the step in flight, save a checkpoint (every rank)
-    and exit with 128 + the signal's number; a second signal exits at once (Megatron-LM's flag,
-    on by default here; --no-exit-signal-handler leaves the signals' default actions)."""
+    and exit with 128 + the signal's number (during set-up: stop after the set-up stage in
+    flight); a second Ctrl-C, or the same signal again 10 s or more after the first, exits at
+    once, a quicker repeat (a launcher's forward) is ignored (Megatron-LM's flag, on by default
+    here; --no-exit-signal-handler leaves the signals' default actions)."""
     nan_policy: Literal["skip", "stop"] = "skip"
     """On a NaN/Inf loss or grad norm: `skip` the update (data still advances) or `stop` the run,
     keeping the last good checkpoint."""

@@ -5,13 +5,13 @@ schedules' `forward_backward_func` (micro-batches, gradient accumulation, PP, in
 pipeline stages with one model chunk each), then the optimizer.
 """
 
-import json
 import logging
 import math
 import os
 import signal
 import time
 from functools import partial
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from megatron_mea.run_config import save_config
 from megatron_mea.training import errors, processes, run_dir, setup
 from megatron_mea.training.arguments import PretrainArgs
 from megatron_mea.training.batches import MicroBatches
-from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, format_line
+from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, append_metrics, format_line
 from megatron_mea.training.signals import ExitSignalHandler
 from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
 
@@ -75,31 +75,69 @@ class Trainer:
     Args:
         args: the run's validated arguments.
         config: the run's config, as validation built it (`parse_run`).
+        signals: the run's signal handler, installed by the caller before set-up
+            (`pretrain`). Default: one of its own (`--exit-signal-handler`), installed by
+            `train`.
     """
 
-    def __init__(self, args: PretrainArgs, config: MEATransformerConfig):
+    def __init__(self, args: PretrainArgs, config: MEATransformerConfig,
+                 signals: Optional[ExitSignalHandler] = None):
         require_cpu_patches("Trainer")
         self.args = args
         # Before any process: every value the run derives from its arguments, once.
         self.settings = setup.run_settings(args, config)
-        initialize(args, timeout_minutes=args.distributed_timeout_minutes)
+        self.signals = signals or ExitSignalHandler(enabled=args.exit_signal_handler)
         self.heartbeat, self.save_lock, self.run_log = None, None, None
         # What failed on this rank in the step just done (the ranks agree on it after the step).
         self.failure = None
         # The newest checkpoint of this run, loaded or saved: (directory, iteration).
         self.last_checkpoint = None
+        self.iteration = 0
+        # The set-up stage in flight, named by a timeout's or a signal's line (None: training).
+        self.stage = "starting the process group"
         try:
+            initialize(args, timeout_minutes=args.distributed_timeout_minutes)
             if dist.get_world_size() > 1:  # names a peer that stops answering
                 self.heartbeat = Heartbeat(args.distributed_timeout_minutes).start()
+            self._next_stage("claiming the run directories")
             # Before anything is built: one writer per --save, no silent fresh start over a run.
             self.save_lock, loads = setup.claim_run_directories(args)
             # Only now: a run refused above leaves no log file in a directory not its own.
             if args.save and dist.get_rank() == 0:
                 self.run_log = run_dir.attach_run_log(args.save)
             self._set_up(args, loads)
-        except BaseException:
+            self._next_stage(None)
+        except BaseException as exc:
+            # Named before the heartbeat stops (it tells who stopped answering).
+            ours = isinstance(exc, errors.ONE_LINE)
+            timeout = self._timed_out() if is_timeout(exc) and not ours else None
             self.close()
+            if timeout is not None:
+                raise timeout from None
             raise
+
+    def _next_stage(self, stage: Optional[str]) -> None:
+        """End the set-up stage in flight and begin `stage` (None: training); first stop, on
+        every rank, if any rank got a signal during the stage that ends. A collective."""
+        if self.signals.enabled:
+            signum, _ = self.signals.agreed_stop()
+            if signum:
+                raise errors.TrainingInterrupted(signum, (
+                    f"interrupted by {signal.Signals(signum).name} during set-up "
+                    f"({self.stage}): nothing trained yet, so nothing saved; "
+                    f"{self._last_checkpoint_text()}"))
+        self.stage = stage
+
+    def _timed_out(self) -> errors.CollectiveTimeout:
+        """The error that ends a run whose collective timed out (during set-up or a step)."""
+        rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+        where = (f"iteration {self.iteration + 1}" if self.stage is None
+                 else f"set-up ({self.stage})")
+        return errors.CollectiveTimeout(
+            f"rank {rank}, {where}: "
+            f"{describe_timeout(self.heartbeat, self.args.distributed_timeout_minutes)}; "
+            f"{self._last_checkpoint_text()}"
+        )
 
     def _set_up(self, args: PretrainArgs, loads: bool) -> None:
         """Build the model, optimizer and data; load the checkpoint if `loads`."""
@@ -122,6 +160,7 @@ class Trainer:
             from megatron_mea.data.checks import check_token_ids
             from megatron_mea.data.identity import DataWatch
 
+            self._next_stage("checking the data files")
             for prefix in settings.data_prefixes:
                 check_token_ids(prefix, args.vocab_size, settings.data_cache)
             self.data_watch = DataWatch(settings.data_prefixes)
@@ -129,9 +168,11 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.num_microbatches = args.global_batch_size // (args.micro_batch_size * self.dp_size)
         self.config = settings.config
+        self._next_stage("building the model and optimizer")
         self.model, self.optimizer, self.scheduler = setup.setup_model_and_optimizer(args, settings)
-        self.iteration, consumed = 0, 0
+        consumed = 0
         if loads:
+            self._next_stage(f"loading the checkpoint in {args.load}")
             try:
                 self.iteration, consumed = training_state.load_checkpoint(
                     args.load, self.modules, self.optimizer, self.scheduler,
@@ -145,6 +186,7 @@ class Trainer:
                 # run's config.yaml names the setting.
                 raise checks.explain_model_mismatch(args.load, args, exc) from None
             self.last_checkpoint = (args.load, self.iteration)
+        self._next_stage("building the datasets' indices")
         self.train_data, self.valid_data = setup.build_datasets(args, settings, self.tokenizer)
         self.train_batches = self._batches(self.train_data, consumed)
         self.valid_consumed = 0
@@ -324,18 +366,16 @@ class Trainer:
             progress = tqdm(total=args.train_iters, initial=self.iteration, unit="step",
                             dynamic_ncols=True, desc=args.attention_variant)
         metrics_path = os.path.join(args.save, "metrics.jsonl") if args.save else None
-        signals = ExitSignalHandler(dist.group.WORLD, enabled=args.exit_signal_handler)
+        signals = self.signals
+        signals.plan = ("saving a checkpoint at the end of this step" if args.save else
+                        "stopping at the end of this step (no --save, so no checkpoint)")
         try:
             with signals:
                 self._train_loop(history, started_at, progress, metrics_path, signals)
-        except RuntimeError as exc:
-            if not is_timeout(exc):
+        except Exception as exc:
+            if isinstance(exc, errors.ONE_LINE) or not is_timeout(exc):
                 raise
-            raise errors.CollectiveTimeout(
-                f"rank {self.rank}, iteration {self.iteration + 1}: "
-                f"{describe_timeout(self.heartbeat, args.distributed_timeout_minutes)}; "
-                f"{self._last_checkpoint_text()}"
-            ) from None
+            raise self._timed_out() from None
         finally:
             if progress is not None:
                 progress.close()
@@ -392,31 +432,15 @@ class Trainer:
 
     def _interrupted(self, signum: int, saved: bool) -> str:
         """The line that ends a run stopped by `signum` (`saved`: a checkpoint was written)."""
-        name = signal.Signals(signum).name
-        if not self.args.save:
-            return (f"interrupted by {name} after iteration {self.iteration}; no --save, so "
-                    "no checkpoint was written")
-        if not saved:
-            return (f"interrupted by {name} after iteration {self.iteration}, inside a streak "
-                    f"of {self.nan_streak} non-finite steps, so not saved; "
-                    f"{self._last_good_checkpoint_text()}")
-        return (f"interrupted by {name} after iteration {self.iteration}: saved checkpoint "
-                f"{checks.checkpoint_dir(self.args.save, self.iteration)}; resume with "
-                f"--load {self.args.save}")
+        return errors.interrupted(signum, self.iteration, self.args.save, saved,
+                                  self.nan_streak, self._last_good_checkpoint_text())
 
     def _last_checkpoint_text(self) -> str:
-        if self.last_checkpoint is None:
-            return "no checkpoint of this run yet"
-        root, iteration = self.last_checkpoint
-        return f"the last checkpoint is {checks.checkpoint_dir(root, iteration)}"
+        return errors.last_checkpoint_text(self.last_checkpoint, self.args.load)
 
     def _last_good_checkpoint_text(self) -> str:
         """Where to resume from after a non-finite streak (no checkpoint is saved inside one)."""
-        if self.last_checkpoint is None:
-            return "no checkpoint of this run before it"
-        root, iteration = self.last_checkpoint
-        return (f"the last good checkpoint is {checks.checkpoint_dir(root, iteration)}: "
-                f"resume from it with --load {root} --ckpt-step {iteration}")
+        return errors.last_good_checkpoint_text(self.last_checkpoint)
 
     def save(self, root: str) -> None:
         """Checkpoint the run's current state under `root` (all ranks call it)."""
@@ -436,26 +460,13 @@ class Trainer:
                                     f"{self._last_checkpoint_text()}") from None
         self.last_checkpoint = (root, self.iteration)
 
-    def _append_metrics(self, path: str, record: dict) -> None:
-        """Append `record` to metrics.jsonl; a failed write (a full disk) is cut back to the
-        last whole line and recorded in `self.failure`, which stops the run after the step."""
-        size = os.path.getsize(path) if os.path.exists(path) else 0
-        try:
-            with open(path, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps(record) + "\n")
-        except OSError as exc:
-            self.failure = f"writing {path} failed: {training_state.describe_failure(exc)}"
-            try:
-                os.truncate(path, size)
-            except OSError:
-                pass  # a partial last line: readers of the file skip it
-
     def _report(self, record, progress, metrics_path):
         args = self.args
         scalars = {k: v for k, v in record.items() if k != "iteration"}
         self.tensorboard.add(scalars, record["iteration"])
         if metrics_path:
-            self._append_metrics(metrics_path, record)
+            # A failed write stops the run after the step (every rank agrees on it).
+            self.failure = append_metrics(metrics_path, record) or self.failure
         if progress is not None:
             progress.update(1)
             progress.set_postfix(loss=f"{record['lm loss']:.3f}")
@@ -471,12 +482,15 @@ def pretrain(args: PretrainArgs, config: MEATransformerConfig) -> list:
         args: the run's validated arguments.
         config: the run's config, as validation built it (`parse_run`).
     """
-    try:
-        trainer = Trainer(args, config)
+    # Installed before set-up, as Megatron-LM's is: a signal while the checkpoint loads or the
+    # indices build stops the run in one line, its lock released.
+    with ExitSignalHandler(enabled=args.exit_signal_handler) as signals:
         try:
-            return trainer.train()
+            trainer = Trainer(args, config, signals)
+            try:
+                return trainer.train()
+            finally:
+                trainer.close()
         finally:
-            trainer.close()
-    finally:
-        parallel_state.destroy_model_parallel()
+            parallel_state.destroy_model_parallel()
 

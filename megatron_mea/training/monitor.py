@@ -1,10 +1,15 @@
-"""What a run reports: GPU telemetry (nvidia-ml-py), TensorBoard scalars, the console line."""
+"""What a run reports: GPU telemetry (nvidia-ml-py), TensorBoard scalars, the console line,
+metrics.jsonl."""
 
+import json
 import logging
+import os
+from typing import Optional
 
 import torch
 
 from megatron_mea._optional import import_extra
+from megatron_mea.checkpoint.torch_dist.save_failures import describe_failure
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +74,19 @@ def format_line(iteration: int, total: int, scalars: dict) -> str:
     for name, value in scalars.items():
         parts.append(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
     return " | ".join(parts) + " |"
+
+
+def append_metrics(path: str, record: dict) -> Optional[str]:
+    """Append `record` to metrics.jsonl as one line; returns None, or what failed (a full
+    disk), in one line, after cutting the file back to its last whole line."""
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    try:
+        with open(path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+    except OSError as exc:
+        try:
+            os.truncate(path, size)
+        except OSError:
+            pass  # a partial last line: readers of the file skip it
+        return f"writing {path} failed: {describe_failure(exc)}"
+    return None

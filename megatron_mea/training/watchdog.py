@@ -11,26 +11,43 @@ move stopped answering. Counters, not clocks, so the hosts' clocks need not agre
 """
 
 import logging
+import re
 import threading
 import time
 from datetime import timedelta
 from typing import List, Optional
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 logger = logging.getLogger(__name__)
 
 _KEY = "mea-heartbeat/{}"
 
 
+# The wordings of a collective, or the store, waiting past its timeout: gloo ("Timed out
+# waiting 9000ms for recv operation to complete", "Application timeout caused pair closure"),
+# NCCL's watchdog ("Watchdog caught collective operation timeout: WorkNCCL(...) ran for 600000
+# milliseconds before timing out"), the TCP store ("Socket Timeout", "wait timeout after
+# 30000ms", "Timed out after 1801 seconds waiting for clients"), monitored barriers ("Rank 1
+# failed to pass monitoredBarrier in 600000 ms").
+_TIMEOUT = re.compile(r"\btimed out\b|\btim(e|ing) ?out\b|failed to pass monitoredbarrier",
+                      re.IGNORECASE)
+
+
 def is_timeout(exc: BaseException) -> bool:
-    """Whether `exc` is a collective that waited past the process group's timeout (gloo:
-    `Timed out waiting ...ms for recv operation`; NCCL's watchdog: `... collective operation
-    timeout`)."""
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and (
-        "timed out" in text or "collective operation timeout" in text
-    )
+    """Whether `exc`, or an error it was raised from, is a collective (or the rendezvous
+    store) that waited past its timeout (Megatron re-raises some as a plain `Exception`, e.g.
+    the dataset builder's "failed to build" from gloo's timed-out barrier; torch's checkpoint
+    reader and writer gather them into a `CheckpointException`)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if (isinstance(exc, (RuntimeError, TimeoutError, CheckpointException))
+                and _TIMEOUT.search(str(exc))):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class Heartbeat:

@@ -439,22 +439,44 @@ def _metrics(save):
         return [json.loads(line) for line in handle if line.endswith("\n")]
 
 
-def _signal_after(process, save, steps, signum, timeout=120):
-    """Send `signum` to `process` once `steps` steps are in `save`'s metrics.jsonl; returns
-    (exit status, output)."""
+def _children(pid):
+    """The processes whose parent is `pid` (Linux)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # not a process, or one that has just ended
+        if fields[1] == str(pid):
+            children.append(int(entry))
+    return children
+
+
+def _signal_after(process, save, steps, signum, timeout=120, to="process"):
+    """Send `signum` once `steps` steps are in `save`'s metrics.jsonl; returns (exit status,
+    output). `to`: "process", its "group" (as a scheduler, `timeout` or `kill -TERM -PGID`
+    does), or "process and children" (SLURM: a launcher and its workers at once)."""
     deadline = time.monotonic() + timeout
     while len(_metrics(save)) < steps:
         assert process.poll() is None, process.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "the run made no progress"
         time.sleep(0.05)
-    process.send_signal(signum)
+    if to == "group":
+        os.killpg(process.pid, signum)
+    else:
+        for pid in [process.pid, *(_children(process.pid) if to != "process" else [])]:
+            os.kill(pid, signum)
     return process.wait(timeout=timeout), process.communicate()[0]
 
 
 def _interrupted_lines(output, name, save):
-    """The `mea-pretrain: interrupted` lines (one per rank, all the same); returns the saved
-    iteration."""
+    """The `mea-pretrain: interrupted` lines (one per rank, all the same) after at most one
+    acknowledgement of the signal; returns the saved iteration."""
     lines = [line for line in output.splitlines() if line.startswith("mea-pretrain:")]
+    acknowledged = [line for line in lines if line.startswith(f"mea-pretrain: {name}: saving")]
+    assert len(acknowledged) <= 1, output[-3000:]
+    lines = [line for line in lines if line not in acknowledged]
     assert lines and len(set(lines)) == 1, output[-3000:]
     found = re.fullmatch(rf"mea-pretrain: interrupted by {name} after iteration (\d+): saved "
                          rf"checkpoint {re.escape(save)}/iter_(\d{{7}}); resume with --load "
@@ -470,16 +492,20 @@ def _assert_nothing_lost(save, saved):
     assert [r["iteration"] for r in _metrics(save)] == list(range(1, saved + 1))
 
 
-def test_sigint_finishes_the_step_saves_and_exits_130_and_resume_continues(tmp_path):
+def test_sigterm_to_the_process_group_after_a_checkpoint_saves_and_resume_continues(tmp_path):
+    # In a session of its own, signalled as a group after its first checkpoint: the checkpoint
+    # writer's helper processes get the signal too, and must outlive it for the save.
     save = str(tmp_path / "ckpt")
-    argv = [*TINY, "--train-iters", "50", "--save", save]
+    argv = [*TINY, "--train-iters", "50", "--save", save, "--save-interval", "2"]
     process = subprocess.Popen([sys.executable, "-m", "megatron_mea.cli.pretrain", *argv],
                                cwd=ROOT, env=standalone_environment(), text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    status, output = _signal_after(process, save, 2, signal.SIGINT)
-    assert status == 130, output[-3000:]
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    status, output = _signal_after(process, save, 3, signal.SIGTERM, to="group")
+    assert status == 128 + signal.SIGTERM, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
-    saved = _interrupted_lines(output, "SIGINT", save)
+    saved = _interrupted_lines(output, "SIGTERM", save)
+    assert saved >= 3
     _assert_nothing_lost(save, saved)
     # The lock is released: a resumed run takes the directory and goes on from the next step.
     run_distributed(_train, 1, [*argv, "--load", save, "--exit-interval", "1"])
@@ -519,10 +545,12 @@ def test_a_signal_to_one_rank_stops_every_rank_after_a_common_save(tmp_path):
     _assert_nothing_lost(save, 2)
 
 
-def test_sigterm_to_torchrun_at_tp2_saves_the_step_in_flight(tmp_path):
+def test_sigterm_to_torchrun_and_its_workers_at_tp2_saves_the_step_in_flight(tmp_path):
+    # SLURM signals every process of the step: each worker gets SIGTERM directly and again
+    # from torchrun, milliseconds apart, after a first checkpoint exists.
     save = str(tmp_path / "ckpt")
     argv = [*TINY, "--train-iters", "50", "--save", save, "--tensor-model-parallel-size", "2",
-            "--sequence-parallel"]
+            "--sequence-parallel", "--save-interval", "2"]
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     env["OMP_NUM_THREADS"] = "1"
     process = subprocess.Popen(
@@ -532,41 +560,92 @@ def test_sigterm_to_torchrun_at_tp2_saves_the_step_in_flight(tmp_path):
         env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
-        _, output = _signal_after(process, save, 2, signal.SIGTERM)
+        _, output = _signal_after(process, save, 3, signal.SIGTERM, to="process and children")
     finally:
         if process.poll() is None:
             process.kill()
-    # torchrun passes SIGTERM to both workers; each saves its shards and says so (torchrun
-    # itself then exits 1 with its own report of the signal).
+    # Each worker saves its shards and says so (torchrun itself then exits 1 with its own
+    # report of the signal); the repeat does not cancel the save.
     assert output.count("mea-pretrain: interrupted") == 2, output[-3000:]
+    assert "second signal" not in output, output[-3000:]
     saved = _interrupted_lines(output, "SIGTERM", save)
+    assert saved >= 3
     _assert_nothing_lost(save, saved)
     iteration = os.path.join(save, f"iter_{saved:07d}")
     shards = [n for n in os.listdir(iteration) if n.endswith(".distcp")]
     assert {name.split("_")[2] for name in shards} == {"0", "1"}, shards
 
 
+# A first SIGTERM, the same again at once (held: a duplicate), then `sys.argv[1]`: SIGINT
+# (Ctrl-C again), or SIGTERM once the repeat window has passed.
 SECOND_SIGNAL = """
 import os, signal, sys, time
-import torch.distributed as dist
-from megatron_mea.training.signals import ExitSignalHandler
-with ExitSignalHandler(group=None) as handler:
+from megatron_mea.training import signals
+signals.REPEAT_WINDOW_S = 1.0
+with signals.ExitSignalHandler() as handler:
+    os.kill(os.getpid(), signal.SIGTERM)
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.1)
     assert handler.received == signal.SIGTERM
     print("first signal held", flush=True)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if sys.argv[1] == "SIGTERM":
+        time.sleep(1.0)
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
     time.sleep(5)
 print("still running")
 """
 
 
-def test_a_second_signal_exits_at_once():
-    run = subprocess.run([sys.executable, "-c", SECOND_SIGNAL], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60, env=standalone_environment())
-    assert run.returncode == -signal.SIGTERM, run.stderr[-3000:]
+@pytest.mark.parametrize("second", ["SIGINT", "SIGTERM"])
+def test_a_duplicate_sigterm_is_held_and_a_real_second_signal_exits_at_once(second):
+    run = subprocess.run([sys.executable, "-c", SECOND_SIGNAL, second], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60,
+                         env=standalone_environment())
+    assert run.returncode == -getattr(signal, second), run.stderr[-3000:]
     assert run.stdout == "first signal held\n"
-    assert "second signal (SIGTERM): exiting without a checkpoint" in run.stderr
+    assert run.stderr.splitlines() == [
+        "mea-pretrain: SIGTERM: stopping at the end of the set-up stage in flight (nothing "
+        "trained yet); Ctrl-C, or SIGTERM again after 1 s, exits without one",
+        f"mea-pretrain: second signal ({second}): exiting without a checkpoint",
+    ], run.stderr[-3000:]
+
+
+# A signal to the run's process group while the dataset indices build (set-up).
+SIGNAL_DURING_SET_UP = """
+import os, signal, sys
+if __name__ == "__main__":
+    from megatron_mea.cli.pretrain import main
+    from megatron_mea.training import setup
+    build = setup.build_datasets
+    def signal_then_build(*args, **kwargs):
+        os.killpg(os.getpgid(0), getattr(signal, sys.argv[1]))
+        return build(*args, **kwargs)
+    setup.build_datasets = signal_then_build
+    sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_set_up_ends_in_one_line_releasing_the_lock(tmp_path, name):
+    save = str(tmp_path / "ckpt")
+    run = subprocess.run(
+        [sys.executable, "-c", SIGNAL_DURING_SET_UP, name, *TINY, "--train-iters", "3",
+         "--save", save],
+        cwd=ROOT, env=standalone_environment(), capture_output=True, text=True, timeout=300,
+        start_new_session=True)
+    assert run.returncode == 128 + getattr(signal, name), run.stderr[-3000:]
+    assert "Traceback" not in run.stderr, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if line.startswith("mea-pretrain:")]
+    again = ("press Ctrl-C again to exit without one" if name == "SIGINT"
+             else "Ctrl-C, or SIGTERM again after 10 s, exits without one")
+    assert lines == [
+        f"mea-pretrain: {name}: stopping at the end of the set-up stage in flight (nothing "
+        f"trained yet); {again}",
+        f"mea-pretrain: interrupted by {name} during set-up (building the datasets' indices): "
+        "nothing trained yet, so nothing saved; no checkpoint of this run yet",
+    ], run.stderr[-3000:]
+    assert "mea-pretrain.lock" not in os.listdir(save)
+    assert not [name for name in os.listdir(save) if name.startswith("iter_")]
 
 
 # ---- a wedged rank: --distributed-timeout-minutes ---------------------------------------------
@@ -611,6 +690,54 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
                         r"answering \(no heartbeat\); no checkpoint of this run yet", line[0])
     # The timeout, the heartbeat check (2.5 beats of 0.9 s) and the exit, with a margin.
     assert waited < timeout_minutes * 60 + 8, waited
+
+
+# Rank 1 stops (SIGSTOP, as a node swapping itself to death does) while the dataset indices
+# build, during set-up.
+STOP_DURING_SET_UP = """
+import os, signal, sys
+if __name__ == "__main__":
+    from megatron_mea.cli.pretrain import main
+    from megatron_mea.training import setup
+    build = setup.build_datasets
+    def stop_then_build(*args, **kwargs):
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return build(*args, **kwargs)
+    setup.build_datasets = stop_then_build
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_that_stops_during_set_up_is_named_in_one_line(tmp_path):
+    # Megatron's dataset builder re-raises gloo's timed-out barrier as a plain Exception.
+    save = str(tmp_path / "ckpt")
+    argv = [*TINY, "--train-iters", "2", "--save", save, "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--distributed-timeout-minutes", "0.1"]
+    port = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", STOP_DURING_SET_UP, *argv], cwd=ROOT,
+            env=standalone_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                                       OMP_NUM_THREADS="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        status = ranks[0].wait(timeout=300)
+        output = ranks[0].communicate()[0]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+    assert status == 1, output[-3000:]
+    assert re.fullmatch(r"mea-pretrain: error: rank 0, set-up \(building the datasets' indices\): "
+                        r"a collective waited 0.1 min \(--distributed-timeout-minutes\) for rank "
+                        r"1, which stopped answering \(no heartbeat\); no checkpoint of this run "
+                        r"yet", _one_line_error(output))
+    assert "mea-pretrain.lock" not in os.listdir(save)
 
 
 # ---- data: regenerated at the same path, changed under a running job ---------------------------
@@ -677,13 +804,78 @@ def test_a_save_that_fails_for_space_ends_in_one_line_and_leaves_no_tmp(tmp_path
     status, stderr = _run_with_file_size_limit(
         "20000", [*TINY, "--train-iters", "4", "--save", save, "--save-interval", "2"])
     assert status == 1, stderr[-3000:]
-    # The writer's cause: EFBIG, or torch's archive writer's "unexpected pos" for a short write.
+    # The writer's cause: EFBIG (a shard), or torch's archive writer's short write ("unexpected
+    # pos": common.pt, written first, reaches the limit), named as the file-size limit.
     assert re.fullmatch(
         rf"mea-pretrain: error: iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 "
-        r"failed: rank 0: .+; its partial iter_0000004.tmp was removed; the last "
+        r"failed: (?:rank 0: )?(?:a file reached this process's file-size limit of 20000 "
+        r"bytes \(ulimit -f\) \(torch's writer: .+\)|.*File too large.*); its partial "
+        r"iter_0000004.tmp was removed; the last "
         rf"checkpoint is {re.escape(save)}/iter_0000002", _one_line_error(stderr))
     assert sorted(n for n in os.listdir(save) if n.startswith("iter_")) == ["iter_0000002"]
     assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read() == "2"
+
+
+# mea-pretrain on a small tmpfs that another writer fills after the first checkpoint, leaving
+# `sys.argv[1]` bytes (0: a full disk at the next save; a page: the disk fills inside torch's
+# writer, which says "iostream error").
+FULL_DISK = """
+import os, sys
+if __name__ == "__main__":
+    from megatron_mea.cli.pretrain import main
+    from megatron_mea.training import loop
+    save, leave = loop.Trainer.save, int(sys.argv[1])
+    def save_then_fill(self, root):
+        save(self, root)
+        with open(os.path.join(os.path.dirname(root), "filler"), "ab") as handle:
+            try:
+                while True:
+                    handle.write(bytes(1 << 16))
+                    handle.flush()
+            except OSError:
+                pass
+            handle.truncate(max(handle.tell() - leave, 0))
+    loop.Trainer.save = save_then_fill
+    status = main(sys.argv[2:])
+    save = sys.argv[sys.argv.index("--save") + 1]
+    print(*sorted(os.listdir(save)))  # what the run left (the tmpfs goes with the namespace)
+    sys.exit(status)
+"""
+
+
+def _on_a_small_tmpfs(disk, command):
+    """`command` in a mount namespace of its own where `disk` is an 8 MiB tmpfs (a user
+    namespace maps this user to root there, so no privilege is needed): (status, stdout,
+    stderr)."""
+    os.makedirs(disk)
+    script = f'mount -t tmpfs -o size=8m tmpfs "$1" && shift && exec "$@"'
+    run = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script,
+                          "sh", disk, *command], cwd=ROOT, env=standalone_environment(),
+                         capture_output=True, text=True, timeout=300)
+    if run.returncode != 0 and "mount" in run.stderr and "Traceback" not in run.stderr:
+        pytest.fail(f"cannot mount a tmpfs in a user namespace here: {run.stderr[-500:]}")
+    return run.returncode, run.stdout, run.stderr
+
+
+@pytest.mark.parametrize("leave,cause", [
+    (0, r"no space left on the device holding {save} \(0 bytes free\)"),
+    (4096, r"no space left on the device holding {save} \(0 bytes free\) \(torch's writer: .+\)"
+           r"|rank 0: .*No space left on device.*"),
+], ids=["full", "fills-while-writing"])
+def test_a_full_disk_at_save_time_ends_in_one_line_and_leaves_no_tmp(tmp_path, leave, cause):
+    disk = str(tmp_path / "disk")
+    save = os.path.join(disk, "ckpt")
+    status, stdout, stderr = _on_a_small_tmpfs(disk, [
+        sys.executable, "-c", FULL_DISK, str(leave), *TINY, "--train-iters", "4", "--save",
+        save, "--save-interval", "2"])
+    assert status == 1, stderr[-3000:]
+    line = _one_line_error(stderr)
+    assert re.fullmatch(
+        rf"mea-pretrain: error: iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 "
+        rf"failed: (?:{cause.format(save=re.escape(save))}); its partial iter_0000004.tmp was "
+        rf"removed; the last checkpoint is {re.escape(save)}/iter_0000002", line), line
+    assert stdout.split() == ["config.yaml", "iter_0000002", "latest_checkpointed_iteration.txt",
+                              "mea-pretrain.log", "metrics.jsonl"], stdout
 
 
 def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
@@ -719,9 +911,12 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_tp2(tmp_path):
             "--tensor-model-parallel-size", "2", "--sequence-parallel"]
     lines = run_distributed(_train_with_file_size_limit, 2, argv, 1, 20000)
     # Rank 0 coordinates the writer and holds rank 1's error (torch's archive writer reports
-    # the short write as "unexpected pos"); rank 1 learns that the save failed.
+    # the short write as "unexpected pos"; rank 0 cannot see rank 1's limit, so it names both
+    # causes); rank 1 learns that the save failed.
     assert re.fullmatch(rf"iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 failed: "
-                        r"rank 1: Worker failure: .*; its partial iter_0000004.tmp was removed; "
+                        r"rank 1: a write came up short \(a full disk, or a file-size limit: "
+                        r"ulimit -f\) \(torch's writer: Worker failure: unexpected pos \d+ vs "
+                        r"\d+\); its partial iter_0000004.tmp was removed; "
                         rf"the last checkpoint is {re.escape(save)}/iter_0000002", lines[0]), lines
     cause = lines[0][lines[0].index("rank 1: "):lines[0].index("; its partial")]
     assert lines[1] == lines[0].replace(cause, "the checkpoint writer failed on another rank")

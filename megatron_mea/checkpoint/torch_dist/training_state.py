@@ -45,6 +45,12 @@ from megatron_mea.checkpoint.torch_dist.checks import (
     verify_checkpoint,
 )
 from megatron_mea.checkpoint.megatron_lm.writing import CHECKPOINT_VERSION
+from megatron_mea.checkpoint.torch_dist.save_failures import (
+    SaveFailed,
+    describe_failure,
+    is_write_error,
+    no_space_left,
+)
 from megatron_mea.files import atomic_write
 
 __all__ = [
@@ -244,8 +250,11 @@ def save_checkpoint(
             os.makedirs(root, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
+            # A full disk refused here, on every rank at once: rank 0's first write inside the
+            # writer (`common.pt`) would fail while the other ranks wait in its collectives.
+            error = no_space_left(root)
         except OSError as exc:
-            error = describe_failure(exc)
+            error = describe_failure(exc, root)
     _agree(error, final, tmp)
     metadata = sharded_state_dict_metadata(use_distributed_optimizer, fully_reshardable)
     state = _model_state(chunks_of(model), metadata)
@@ -267,19 +276,21 @@ def save_checkpoint(
         state.update(args=saved_args, checkpoint_version=CHECKPOINT_VERSION)
     try:
         dist_checkpointing.save(state, tmp, content_metadata=_serializable(metadata))
-    except (OSError, CheckpointException) as exc:  # the writer's errors, gathered on all ranks
-        error = describe_failure(exc)
+    except (OSError, RuntimeError, CheckpointException) as exc:  # gathered on all ranks
+        if not is_write_error(exc):  # e.g. a collective that timed out: not the disk's fault
+            raise
+        error = describe_failure(exc, root)
     _agree(error, final, tmp)
     try:
         _write_checksums(tmp)
     except OSError as exc:
-        error = describe_failure(exc)
+        error = describe_failure(exc, root)
     _agree(error, final, tmp)
     if rank == 0:
         try:
             _publish(root, final, tmp, iteration)
         except OSError as exc:
-            error = describe_failure(exc)
+            error = describe_failure(exc, root)
     _agree(error, final, tmp)
     logger.info("saved checkpoint %s", final)
 
@@ -302,25 +313,6 @@ def _publish(root: str, final: str, tmp: str, iteration: int) -> None:
     except OSError:
         os.rename(final, tmp)
         raise
-
-
-class SaveFailed(RuntimeError):
-    """A checkpoint could not be written (a full disk, a file over a size limit, a directory
-    made read-only); the message names the checkpoint and the cause, in one line."""
-
-
-def describe_failure(exc: BaseException) -> str:
-    """One line for an error of a write: the OS's reason and the file where it says one; for
-    torch's CheckpointException, the first failed rank's error (which it holds only on the
-    coordinating rank)."""
-    if isinstance(exc, CheckpointException):
-        if not exc.failures:
-            return "the checkpoint writer failed on another rank"
-        rank, (error, _) = next(iter(exc.failures.items()))
-        return f"rank {rank}: {describe_failure(error)}"
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror + (f": {exc.filename}" if exc.filename else "")
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def _agree(error, final: str, tmp: str) -> None:
