@@ -16,28 +16,14 @@ import sys
 import time
 import urllib.request
 
+from megatron_mea.bench.serve_rounds import write_word_tokenizer
+
 STARTUP_TIMEOUT_S = 600
 
 
 def word(token_id):
     """The tokenizer's word for `token_id`."""
     return f"<{token_id}>"
-
-
-def write_word_tokenizer(directory, vocab_size):
-    """A fast tokenizer in `directory`: whitespace-split words `<0>` .. `<vocab_size - 1>`,
-    `<1>` the end of sequence (the requests ignore it), a chat template that joins the
-    messages' contents."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word(i): i for i in range(vocab_size)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=word(0)))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=word(0),
-                                        eos_token=word(1))
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tokenizer.save_pretrained(directory)
 
 
 def serve_copy(export, directory):
