@@ -58,8 +58,13 @@ def test_report_gives_medians_over_rounds_and_mea_over_original(tmp_path):
     assert case["ratios"]["tokens_per_s"] == 1.25
     assert case["ratios"]["tokens_per_cpu_s"] == 1.25
     assert case["ratios"]["engine_steps"] == 133 / 259
+    # The rounds' own ratios 2.5, 1/6, 2: their median.
+    assert case["paired_ratios"]["tokens_per_s"] == 2.0
     rows = serve_report.table([case])
     assert len(rows) == 4 and "9,248 (2.00x)" in rows[3] and "25.00 (1.25x)" in rows[3]
+    assert "| hd128-llama | 3 | 1.25x | 2.00x | 1.25x | 2.00x |" in serve_report.paired_table(
+        [dict(case, exports={k: dict(v, rounds=[dict(r, load=3.0) for r in v["rounds"]])
+                             for k, v in case["exports"].items()})])[2]
     json.dumps(case)  # the report is written as JSON
     if serve_report.plot([case], str(tmp_path / "report.png")):
         assert (tmp_path / "report.png").stat().st_size > 0

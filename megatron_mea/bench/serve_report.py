@@ -28,7 +28,8 @@ def summarize(rounds):
 
 def compare(case):
     """`case` (`{"exports": {"original": {...}, "mea": {...}}}`, each with `rounds` and
-    `kv_tokens`) with each export's `summary` and the case's `ratios` (MEA / original) added."""
+    `kv_tokens`) with each export's `summary`, the case's `ratios` (MEA / original of the
+    medians) and `paired_ratios` (median of the rounds' MEA / original) added."""
     exports = case["exports"]
     for export in exports.values():
         export["summary"] = summarize(export["rounds"])
@@ -38,6 +39,12 @@ def compare(case):
         base = original["summary"][field]
         ratios[field] = mea["summary"][field] / base if base else float("nan")
     case["ratios"] = ratios
+    # The median of the rounds' own ratios: each pair ran back to back, under much the same
+    # load from other jobs, where the load drifts between pairs.
+    pairs = list(zip(original["rounds"], mea["rounds"]))
+    case["paired_ratios"] = {
+        field: statistics.median(m[field] / o[field] for o, m in pairs)
+        for field in ("tokens_per_cpu_s", "tokens_per_s")}
     return case
 
 
@@ -58,6 +65,21 @@ def table(cases):
             if name == "mea":
                 cells[2] += f" ({case['ratios']['kv_tokens']:.2f}x)"
             rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def paired_table(cases):
+    """Markdown rows: per case the MEA / original ratios of the medians and the median of the
+    paired rounds' ratios, with the rounds' load average."""
+    rows = ["| case | rounds | per CPU-s: medians | per CPU-s: paired | per s: medians "
+            "| per s: paired | load |", "|---|---|---|---|---|---|---|"]
+    for case in cases:
+        ratios, paired = case["ratios"], case["paired_ratios"]
+        loads = [r["load"] for e in case["exports"].values() for r in e["rounds"]]
+        rows.append(f"| {case['name']} | {len(case['exports']['mea']['rounds'])} "
+                    f"| {ratios['tokens_per_cpu_s']:.2f}x | {paired['tokens_per_cpu_s']:.2f}x "
+                    f"| {ratios['tokens_per_s']:.2f}x | {paired['tokens_per_s']:.2f}x "
+                    f"| {min(loads):.0f}-{max(loads):.0f} |")
     return rows
 
 

@@ -160,7 +160,8 @@ def main(argv=None) -> int:
     report["seconds"] = time.perf_counter() - started
     with open(os.path.join(args.out, "report.json"), "w", encoding="utf-8") as handle:
         json.dump(report, handle, indent=1)
-    rows = serve_report.table(report["cases"])
+    rows = [*serve_report.table(report["cases"]), "",
+            *serve_report.paired_table(report["cases"])]
     with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as handle:
         handle.write("\n".join(rows) + "\n")
     print("\n".join(rows))
