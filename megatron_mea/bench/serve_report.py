@@ -83,6 +83,23 @@ def paired_table(cases):
     return rows
 
 
+def vllm_bench_table(cases):
+    """Markdown rows of vLLM's own client's runs (`--vllm-bench`), where the cases have them:
+    its output tokens/s and those per server CPU-second, MEA against the original."""
+    rows = ["| case | vLLM client: out tok/s, original | MEA | ratio | per server CPU-s, "
+            "original | MEA | ratio |", "|---|---|---|---|---|---|---|"]
+    for case in cases:
+        runs = [case["exports"][name].get("vllm_bench") for name in EXPORTS]
+        if None in runs:
+            continue
+        speed = [r["output_throughput"] for r in runs]
+        per_cpu = [r["total_output_tokens"] / r["server_cpu_s"] for r in runs]
+        rows.append(f"| {case['name']} | {speed[0]:.2f} | {speed[1]:.2f} "
+                    f"| {speed[1] / speed[0]:.2f}x | {per_cpu[0]:.2f} | {per_cpu[1]:.2f} "
+                    f"| {per_cpu[1] / per_cpu[0]:.2f}x |")
+    return rows if len(rows) > 2 else []
+
+
 def plot(cases, path):
     """Bars of the MEA / original ratios per case (tokens per CPU-second, per wall second, KV
     tokens), one dot per paired round; returns False where matplotlib is missing."""

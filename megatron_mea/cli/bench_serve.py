@@ -89,8 +89,15 @@ def _server_env():
     return env
 
 
-def run_case(args, name, shape, exports, logs):
-    """Serve the (original, MEA) `exports` side by side; the case's report."""
+def _save(report, out):
+    with open(os.path.join(out, "report.json"), "w", encoding="utf-8") as handle:
+        json.dump(report, handle, indent=1)
+
+
+def run_case(args, name, shape, exports, logs, report):
+    """Serve the (original, MEA) `exports` side by side; the case's report, appended to
+    `report["cases"]` before the first round (the report is saved after every round: a cut
+    run keeps what it measured)."""
     _, shape_prompt, shape_output = serve_exports.SHAPES[shape]
     prompt = args.prompt_tokens or shape_prompt
     output = args.output_tokens or shape_output
@@ -100,6 +107,7 @@ def run_case(args, name, shape, exports, logs):
     servers = {}
     case = dict(name=name, shape=shape, prompt_tokens=prompt, output_tokens=output,
                 num_requests=args.num_requests, pool_bytes=pool, load_start=_load(), exports={})
+    report["cases"].append(case)
     try:
         for kind, model in zip(serve_report.EXPORTS, exports):
             served = serve_rounds.serving_dir(model, os.path.join(args.out, "served",
@@ -124,6 +132,7 @@ def run_case(args, name, shape, exports, logs):
             for kind, server in servers.items():
                 measured = serve_rounds.run_round(server, prompts, output)
                 case["exports"][kind]["rounds"].append(measured)
+                _save(report, args.out)
                 print(f"[bench-serve] {name} round {index + 1}/{args.rounds} {kind:>8}: "
                       f"{measured['output_tokens']} tokens in {measured['wall_s']:.1f} s, "
                       f"{measured['tokens_per_s']:.1f} tok/s, "
@@ -153,15 +162,14 @@ def main(argv=None) -> int:
                   settings={k: v for k, v in vars(args).items()}, cases=[])
     started = time.perf_counter()
     for name, shape, original, mea in _pairs(args, logs):
-        report["cases"].append(run_case(args, name, shape, (original, mea), logs))
-        with open(os.path.join(args.out, "report.json"), "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=1)  # after every case: a cut run keeps its cases
+        run_case(args, name, shape, (original, mea), logs, report)
+        _save(report, args.out)
     report["machine"]["load_end"] = _load()
     report["seconds"] = time.perf_counter() - started
-    with open(os.path.join(args.out, "report.json"), "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=1)
+    _save(report, args.out)
     rows = [*serve_report.table(report["cases"]), "",
-            *serve_report.paired_table(report["cases"])]
+            *serve_report.paired_table(report["cases"]), "",
+            *serve_report.vllm_bench_table(report["cases"])]
     with open(os.path.join(args.out, "report.md"), "w", encoding="utf-8") as handle:
         handle.write("\n".join(rows) + "\n")
     print("\n".join(rows))
