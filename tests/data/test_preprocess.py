@@ -125,7 +125,8 @@ def test_nothing_is_published_when_no_document_is_written(tmp_path, tok):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
-def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, capsys):
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, capsys,
+                                                                      tool_logging):
     # It printed "error: [Errno 28] No space left on device" naming neither the tool nor the
     # file, and left the partial .bin behind (the close's flush failed too). The disk fills in
     # the middle of the .bin (a file-size limit: EFBIG, as a full disk gives ENOSPC).
@@ -201,7 +202,7 @@ def _load_cli():
     return preprocess
 
 
-def test_cli_exit_codes_and_summary(tmp_path, capsys):
+def test_cli_exit_codes_and_summary(tmp_path, capsys, tool_logging):
     cli = _load_cli()
     _write(tmp_path / "a.jsonl", '{"text": "one"}\n{broken\n')
     _write(tmp_path / "b.jsonl", '{"text": "two"}\n')
@@ -258,7 +259,8 @@ MEGATRON_LM_FLAGS = [
 ]
 
 
-def test_a_megatron_lm_command_line_runs_unchanged(tmp_path, capsys, caplog):
+def test_a_megatron_lm_command_line_runs_unchanged(tmp_path, capsys, caplog,
+                                                   tool_logging):
     # `--workers` (which Megatron-LM's tool requires), --log-interval, --partitions,
     # --keep-newlines and --split-sentences were refused as unrecognized arguments.
     import logging
