@@ -1,5 +1,6 @@
 """Shared fixtures: a one-rank gloo group with Megatron's parallel state for in-process tests."""
 
+import logging
 import os
 import warnings
 
@@ -40,6 +41,17 @@ def single_rank():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def tool_logging(monkeypatch):
+    """For a test that runs a tool's `main()` in-process: the root logger's handlers and level
+    are put back after it. A tool installs its console handler on the `sys.stderr` of the
+    moment, the test's captured stream, which is closed after the test: records of later tests
+    would print `--- Logging error ---` into their own captured stderr."""
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", list(root.handlers))
+    monkeypatch.setattr(root, "level", root.level)
 
 
 # The slow tier: multi-process worlds, kill drills, console scripts in subprocesses, the
@@ -109,6 +121,11 @@ ONE_RELEASE = {
     "leaves_no_tmp[fills": "0.19",
     # `make demo`: its reruns, its console and its log files.
     "tests/test_demo.py": "0.16",
+    # Command lines of mea-pretrain and mea-preprocess on damaged or foreign input, a full disk
+    # (the checks themselves are tested on both, in tests/data).
+    "tests/data/test_dataset_checks.py::test_mea_pretrain_refuses_a_damaged_index": "0.16",
+    "tests/data/test_preprocess.py::test_a_megatron_lm_command_line_runs_unchanged": "0.16",
+    "tests/data/test_preprocess.py::test_a_full_disk_is_one_line": "0.16",
     # The lent GPU machine runs Python 3.12 with megatron-core 0.19 (its wheels are built so).
     "tests/test_gpu_acceptance.py::test_cpu_smoke_on_a_simulated": "0.19",
 }

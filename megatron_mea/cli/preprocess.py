@@ -3,10 +3,12 @@
     mea-preprocess --input 'corpus/*.jsonl' notes.txt \\
         --output-prefix data/corpus --tokenizer-type ByteLevelTokenizer --append-eod
 
-The flags are those of Megatron-LM's preprocessing tool. JSON-lines inputs (.jsonl, .ndjson,
-.json) hold one document per line under --json-keys; any other file is one document. Unlike
-Megatron-LM, the dataset is written to exactly <output-prefix>.bin/.idx (no `_text_document`
-suffix), and one worker process does the work.
+The flags are those of Megatron-LM's preprocessing tool, so its command lines run unchanged:
+the ones without a meaning here (--workers, --partitions, --split-sentences, ...) are accepted,
+named in one line and ignored. JSON-lines inputs (.jsonl, .ndjson, .json) hold one document per
+line under --json-keys; any other file is one document. Unlike Megatron-LM, the dataset is
+written to exactly <output-prefix>.bin/.idx (no `_text_document` suffix), one document per
+sequence, and one worker process does the work.
 
 Exit status: 0 when a dataset was written (malformed inputs are reported but skipped), 1 when no
 document was written (one line naming the inputs) or the output could not be written (a full
@@ -72,11 +74,62 @@ def _parse_args(argv):
     group.add_argument(
         "--max-errors-shown", type=int, default=10, help="errors listed in the summary (default 10)"
     )
+    group.add_argument("--log-interval", type=int, default=None, metavar="N",
+                       help="log the documents processed (docs/s, MB/s) every N documents, as "
+                            "Megatron-LM's tool does (default: the progress bar only)")
+    group = parser.add_argument_group(
+        "Megatron-LM's flags without a meaning here (accepted; each given one is named in one "
+        "line, then ignored)")
+    for flag, kind in _IGNORED_FLAGS:
+        if kind is bool:
+            group.add_argument(flag, action="store_true", help=_IGNORED[_dest(flag)])
+        else:
+            group.add_argument(flag, type=kind, default=None, metavar="N",
+                               nargs="+" if flag == "--workers-to-check" else None,
+                               help=_IGNORED[_dest(flag)])
     args = parser.parse_args(argv)
+    if args.log_interval is not None and args.log_interval < 1:
+        parser.error(f"--log-interval must be at least 1, got {args.log_interval}")
     if len(args.json_keys) != 1:
         parser.error(f"--json-keys takes one key here, got {len(args.json_keys)}")
     args.paths = _expand_inputs(parser, args.input)
     return args
+
+
+# Flags of Megatron-LM's tools/preprocess_data.py (core_v0.16.1 to core_v0.19.0 and later) that
+# mean nothing here, and why: a Megatron-LM command line runs unchanged.
+_IGNORED_FLAGS = (
+    ("--workers", int), ("--partitions", int), ("--keep-sequential-samples", bool),
+    ("--split-sentences", bool), ("--keep-newlines", bool), ("--lang", str),
+    ("--find-optimal-num-workers", bool), ("--workers-to-check", int),
+    ("--max-documents", int), ("--performance-dir", str),
+)
+_ONE_PROCESS = "one process tokenizes here"
+_IGNORED = {
+    "workers": _ONE_PROCESS,
+    "partitions": "the inputs are read in one pass, in the order given",
+    "keep_sequential_samples": "documents are always written in input order",
+    "split_sentences": "each document is written whole, as one sequence: GPT pretraining "
+                       "samples documents, sentence-level data is for BERT-style models",
+    "keep_newlines": "it qualifies --split-sentences",
+    "lang": "it qualifies --split-sentences",
+    "find_optimal_num_workers": _ONE_PROCESS,
+    "workers_to_check": _ONE_PROCESS,
+    "max_documents": "it qualifies --find-optimal-num-workers",
+    "performance_dir": "it qualifies --find-optimal-num-workers",
+}
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def ignored_flags_note(args) -> str:
+    """One line naming each given flag of `_IGNORED_FLAGS` and why it means nothing here ("" for
+    none)."""
+    given = [f"{flag} ({_IGNORED[_dest(flag)]})" for flag, _ in _IGNORED_FLAGS
+             if getattr(args, _dest(flag)) not in (None, False)]
+    return f"mea-preprocess: ignored: {'; '.join(given)}" if given else ""
 
 
 def _expand_inputs(parser, patterns):
@@ -105,6 +158,9 @@ def main(argv=None) -> int:
     """
     args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    note = ignored_flags_note(args)
+    if note:
+        print(note, file=sys.stderr)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     except (ValueError, ImportError) as err:
@@ -119,6 +175,7 @@ def main(argv=None) -> int:
             append_eod=args.append_eod,
             strict=args.strict,
             progress=not args.no_progress,
+            log_interval=args.log_interval,
         )
     except PreprocessError as err:
         print(err.summary.describe(args.max_errors_shown))

@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy
@@ -158,8 +159,10 @@ def _publish(tmp_prefix: str, output_prefix: str) -> None:
     publish(tmp_prefix + ".idx", output_prefix + ".idx")
 
 
-def _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance) -> None:
-    """Tokenize every document of `paths` into `builder`, recording skips in `summary`."""
+def _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance,
+                   written=lambda: None) -> None:
+    """Tokenize every document of `paths` into `builder`, recording skips in `summary`;
+    `advance(bytes)` after each input read, `written()` after each document written."""
     vocab_size = tokenizer.vocab_size
     for path in paths:
         if path.lower().endswith(JSONL_SUFFIXES):
@@ -192,6 +195,7 @@ def _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance) -
             builder.add_document(tokens, [tokens.size])
             summary.documents += 1
             summary.tokens += int(tokens.size)
+            written()
 
 
 def preprocess_files(
@@ -203,6 +207,7 @@ def preprocess_files(
     append_eod: bool = False,
     strict: bool = False,
     progress: bool = True,
+    log_interval: int | None = None,
 ) -> PreprocessSummary:
     """Tokenize `paths` into the Megatron dataset `<output_prefix>.bin` / `.idx`.
 
@@ -217,6 +222,9 @@ def preprocess_files(
         append_eod: append `tokenizer.eod` to every document. Default: False.
         strict: on any malformed input, write nothing and raise `PreprocessError`. Default: False.
         progress: show a tqdm progress bar over input bytes (when tqdm is installed). Default: True.
+        log_interval: log "processed N documents (docs/s, MB/s)" every `log_interval`
+            documents, as Megatron-LM's tool prints them (`--log-interval`). Default: None
+            (the progress bar only).
 
     Returns:
         The `PreprocessSummary`. If no document was written, nothing is published and
@@ -257,12 +265,23 @@ def preprocess_files(
         # Routes the per-line warnings through tqdm.write, so they do not tear the bar apart.
         redirect = logging_redirect_tqdm()
 
-    advance = bar.update if bar is not None else (lambda num_bytes: None)
+    read, start = [0], time.monotonic()
+
+    def advance(num_bytes: int) -> None:
+        read[0] += num_bytes
+        if bar is not None:
+            bar.update(num_bytes)
+
+    def written() -> None:
+        if log_interval and summary.documents % log_interval == 0:
+            elapsed = max(time.monotonic() - start, 1e-9)
+            logger.info("processed %d documents (%.1f docs/s, %.2f MB/s)", summary.documents,
+                        summary.documents / elapsed, read[0] / elapsed / 2 ** 20)
 
     published = False
     try:
         with redirect:
-            _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance)
+            _add_documents(builder, paths, tokenizer, json_key, eod, summary, advance, written)
         if strict and summary.errors and summary.documents:
             raise PreprocessError(summary)
         if summary.documents:

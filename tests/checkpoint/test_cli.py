@@ -116,7 +116,7 @@ def test_messages_name_what_is_wrong_and_quiet_goes_anywhere(checkpoints, tmp_pa
 
 
 def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(checkpoints, tmp_path,
-                                                                      capsys):
+                                                                      capsys, tool_logging):
     # import-hf ended in a 33-line traceback (torch.save's short write: "unexpected pos N vs
     # M"), export-hf in "[Errno 28] No space left on device" naming no output. The disk fills
     # in the middle of the weights (a file-size limit: EFBIG, as a full disk gives ENOSPC).

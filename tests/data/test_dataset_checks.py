@@ -123,7 +123,7 @@ def test_the_index_check_runs_once_per_file_version(prefix, tmp_path, monkeypatc
         check_dataset_files(prefix, str(cache))
 
 
-def test_mea_pretrain_refuses_a_damaged_index_in_one_line(prefix, capsys):
+def test_mea_pretrain_refuses_a_damaged_index_in_one_line(prefix, capsys, tool_logging):
     # The variant that hung mea-pretrain forever with no output (Megatron's epoch sizing loops
     # on a negative token count), refused before any process group or index build.
     from megatron_mea.cli.pretrain import main

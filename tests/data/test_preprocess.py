@@ -125,7 +125,8 @@ def test_nothing_is_published_when_no_document_is_written(tmp_path, tok):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
-def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, capsys):
+def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, capsys,
+                                                                      tool_logging):
     # It printed "error: [Errno 28] No space left on device" naming neither the tool nor the
     # file, and left the partial .bin behind (the close's flush failed too). The disk fills in
     # the middle of the .bin (a file-size limit: EFBIG, as a full disk gives ENOSPC).
@@ -201,7 +202,7 @@ def _load_cli():
     return preprocess
 
 
-def test_cli_exit_codes_and_summary(tmp_path, capsys):
+def test_cli_exit_codes_and_summary(tmp_path, capsys, tool_logging):
     cli = _load_cli()
     _write(tmp_path / "a.jsonl", '{"text": "one"}\n{broken\n')
     _write(tmp_path / "b.jsonl", '{"text": "two"}\n')
@@ -246,3 +247,41 @@ def test_cli_exit_codes_and_summary(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         cli.main(["--input", str(tmp_path / "*.none"), "--output-prefix", "x", *common])
     assert info.value.code == 2
+
+
+# Every flag of Megatron-LM's tools/preprocess_data.py besides its tokenizer's (its get_args, on
+# main after core_v0.19.0, a superset of core_v0.16.1's), with a value where it takes one.
+MEGATRON_LM_FLAGS = [
+    "--json-keys", "text", "--split-sentences", "--keep-newlines", "--append-eod",
+    "--lang", "english", "--workers", "4", "--find-optimal-num-workers",
+    "--workers-to-check", "16", "32", "--max-documents", "100", "--performance-dir", "perf",
+    "--partitions", "1", "--log-interval", "2", "--keep-sequential-samples",
+]
+
+
+def test_a_megatron_lm_command_line_runs_unchanged(tmp_path, capsys, caplog,
+                                                   tool_logging):
+    # `--workers` (which Megatron-LM's tool requires), --log-interval, --partitions,
+    # --keep-newlines and --split-sentences were refused as unrecognized arguments.
+    import logging
+
+    cli = _load_cli()
+    corpus = _write(tmp_path / "c.jsonl", "".join(json.dumps({"text": f"doc {i}."}) + "\n"
+                                                  for i in range(5)))
+    common = ["--input", corpus, "--tokenizer-type", "ByteLevelTokenizer", "--no-progress"]
+    with caplog.at_level(logging.INFO, logger="megatron_mea.data.preprocess"):
+        assert cli.main([*common, "--output-prefix", str(tmp_path / "mlm"),
+                         *MEGATRON_LM_FLAGS]) == 0
+    err = capsys.readouterr().err
+    assert err.count("mea-preprocess: ignored: ") == 1 and len(err.splitlines()) == 1
+    for flag in ("--workers", "--partitions", "--split-sentences", "--keep-newlines", "--lang",
+                 "--find-optimal-num-workers", "--keep-sequential-samples"):
+        assert f" {flag} (" in err, flag
+    # --log-interval is honoured: a line every 2 documents, as Megatron-LM's tool prints.
+    progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("processed")]
+    assert [line.split(" (")[0] for line in progress] == ["processed 2 documents",
+                                                          "processed 4 documents"]
+    # The same dataset as without Megatron-LM's flags.
+    assert cli.main([*common, "--output-prefix", str(tmp_path / "plain"), "--append-eod"]) == 0
+    assert _read_all(str(tmp_path / "mlm"))[0] == _read_all(str(tmp_path / "plain"))[0]
+    assert capsys.readouterr().err == ""

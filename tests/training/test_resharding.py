@@ -84,7 +84,8 @@ def _resume_everywhere(rank, world_size, base, saved, resaved, probe_schedule):
             log=[line for line in log.lines if line.startswith("loaded checkpoint")],
         )
     if probe_schedule:
-        results["schedule"] = _probe_schedule(base, saved, parse_run, Trainer, CheckpointError)
+        results["schedule"] = _probe_schedule(base, saved, parse_run, Trainer, CheckpointError,
+                                              log)
         del log.lines[:]
         trainer = Trainer(*parse_run([*base, "--load", saved, "--adam-beta2", "0.99"]))
         parallel_state.destroy_model_parallel()
@@ -94,27 +95,7 @@ def _resume_everywhere(rank, world_size, base, saved, resaved, probe_schedule):
         )
         results["legacy"] = _probe_legacy(base, saved + "-legacy", parse_run, Trainer,
                                           CheckpointError)
-        results["batch"] = _probe_batch(base, saved, parse_run, Trainer, CheckpointError, log)
     return results
-
-
-def _probe_batch(base, saved, parse_run, Trainer, CheckpointError, log):
-    """A resume with another --global-batch-size (16, not 8), without and with
-    --override-opt_param-scheduler: what it raises or logs."""
-    from megatron.core import parallel_state
-
-    probes = {}
-    for name, flags in {"plain": [], "override": ["--override-opt_param-scheduler"]}.items():
-        del log.lines[:]
-        try:
-            Trainer(*parse_run([*base, "--load", saved, "--global-batch-size", "16", *flags]))
-            probes[name] = dict(log=[line for line in log.lines
-                                     if "global batch size" in line or "loaded" in line])
-        except CheckpointError as exc:
-            probes[name] = dict(error=str(exc))
-        finally:
-            parallel_state.destroy_model_parallel()
-    return probes
 
 
 def _probe_legacy(base, legacy, parse_run, Trainer, CheckpointError):
@@ -143,9 +124,9 @@ def _probe_legacy(base, legacy, parse_run, Trainer, CheckpointError):
         parallel_state.destroy_model_parallel()
 
 
-def _probe_schedule(base, saved, parse_run, Trainer, CheckpointError):
-    """What a resume with another schedule (--train-iters 12: decay over 12 steps, not 9) does
-    without and with Megatron-LM's two flags."""
+def _probe_schedule(base, saved, parse_run, Trainer, CheckpointError, log):
+    """What a resume with another schedule (--train-iters 12: decay over 12 steps, not 9) and
+    another global batch size (16, not 8) does without and with Megatron-LM's two flags."""
     from megatron.core import parallel_state
 
     probes = {}
@@ -154,11 +135,15 @@ def _probe_schedule(base, saved, parse_run, Trainer, CheckpointError):
         "override": ["--override-opt_param-scheduler"],
         "use-checkpoint": ["--use-checkpoint-opt_param-scheduler"],
     }.items():
-        argv = [*base, "--load", saved, "--train-iters", "12", *flags]
+        argv = [*base, "--load", saved, "--train-iters", "12", "--global-batch-size", "16",
+                *flags]
+        del log.lines[:]
         try:
             scheduler = Trainer(*parse_run(argv)).scheduler
             probes[name] = dict(num_steps=scheduler.num_steps,
                                 lr_decay_steps=scheduler.lr_decay_steps)
+            probes[name + "-log"] = [line for line in log.lines
+                                     if "global batch size" in line or "loaded" in line]
         except CheckpointError as exc:
             probes[name] = dict(error=str(exc))
         finally:
@@ -277,17 +262,18 @@ def test_another_schedule_needs_megatron_lm_s_flags(resumed):
 def test_another_global_batch_size_needs_megatron_lm_s_flags_and_is_stated(resumed):
     # Megatron-LM's schedule counts samples, so its scheduler check refuses this change; the
     # schedule here counts iterations, and the change used to pass without a word.
-    probes = resumed["results"]["batch"]
-    assert probes["plain"]["error"].endswith(
-        "learning-rate schedule differs from the checkpoint's: global_batch_size 16 (from "
-        "--global-batch-size), checkpoint 8. Pass --override-opt_param-scheduler to use this "
-        "run's settings or --use-checkpoint-opt_param-scheduler to keep the checkpoint's")
-    warning, summary = probes["override"]["log"]
-    assert warning.endswith("the global batch size changes from the checkpoint's 8 to 16 "
-                            "(--global-batch-size, accepted with --override-opt_param-scheduler)"
-                            ": each step from here reads 16 samples")
-    assert summary.endswith("settings changed since the checkpoint: --global-batch-size 8 -> 16, "
-                            "--exit-interval 6 -> None")
+    probes = resumed["results"]["schedule"]
+    assert ("; global_batch_size 16 (from --global-batch-size), checkpoint 8. Pass "
+            "--override-opt_param-scheduler") in probes["plain"]["error"]
+    for name in ("override", "use-checkpoint"):
+        warning, summary = probes[f"{name}-log"]
+        assert warning.endswith(
+            "the global batch size changes from the checkpoint's 8 to 16 (--global-batch-size, "
+            f"accepted with --{name}-opt_param-scheduler): each step from here reads 16 samples")
+        # Every setting that differs from the checkpoint's (the saving run stopped at
+        # --exit-interval 6; the resume runs on without one).
+        assert summary.endswith("settings changed since the checkpoint: --global-batch-size "
+                                "8 -> 16, --train-iters 9 -> 12, --exit-interval 6 -> None")
 
 
 def test_distributed_optimizer_formats_follow_megatron_lm(single_rank):
