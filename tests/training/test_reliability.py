@@ -914,7 +914,7 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_tp2(tmp_path):
     # the short write as "unexpected pos"; rank 0 cannot see rank 1's limit, so it names both
     # causes); rank 1 learns that the save failed.
     assert re.fullmatch(rf"iteration 4: saving checkpoint {re.escape(save)}/iter_0000004 failed: "
-                        r"rank 1: a write came up short \(a full disk, or a file-size limit: "
+                        r"rank 1: a write failed \(a full disk, or a file-size limit: "
                         r"ulimit -f\) \(the writer's words: .+\); its partial iter_0000004.tmp "
                         r"was removed; "
                         rf"the last checkpoint is {re.escape(save)}/iter_0000002", lines[0]), lines

@@ -22,10 +22,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 # torch's archive writer (`torch.save`) reporting a write it could not complete: C++'s words,
 # not the OS's ("unexpected pos 64 vs 0", "basic_ios::clear: iostream error", "PytorchStreamWriter
 # failed writing file data/0: file write failed").
-# An OS error that reached us as text (Megatron-Core's worker wrappers; another rank's error)
-# is one too.
+# An OS error that reached us as text, and Megatron-Core 0.19's words for a write worker that
+# failed (its wrappers; another rank's error), are one too.
 _TORCH_WRITE_ERROR = re.compile(r"unexpected pos|PytorchStreamWriter|inline_container|"
-                                r"iostream error|file write failed|OSError|\[Errno \d+\]")
+                                r"iostream error|file write failed|OSError|\[Errno \d+\]|"
+                                r"error is caught while starting worker")
 
 
 class SaveFailed(RuntimeError):
@@ -100,7 +101,7 @@ def describe_failure(exc: BaseException, directory: Optional[str] = None,
     elif local and limit != resource.RLIM_INFINITY:
         cause = f"a file reached this process's file-size limit of {limit} bytes (ulimit -f)"
     elif is_write_error(exc):
-        cause = "a write came up short (a full disk, or a file-size limit: ulimit -f)"
+        cause = "a write failed (a full disk, or a file-size limit: ulimit -f)"
     else:
         return text
     # "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0" -> its last part.
