@@ -34,7 +34,10 @@ REPEAT_WINDOW_S = 10.0
 def _say(line: str) -> None:
     """Write one line to stderr from a signal handler (os.write: the handler may run while the
     main thread is inside a buffered write to stderr, which a print would re-enter)."""
-    os.write(2, f"mea-pretrain: {line}\n".encode("ascii", "replace"))
+    try:
+        os.write(2, f"mea-pretrain: {line}\n".encode("ascii", "replace"))
+    except OSError:
+        pass  # stderr closed (the terminal gone, SIGHUP): the run goes on all the same
 
 
 class ExitSignalHandler:

@@ -22,8 +22,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 # torch's archive writer (`torch.save`) reporting a write it could not complete: C++'s words,
 # not the OS's ("unexpected pos 64 vs 0", "basic_ios::clear: iostream error", "PytorchStreamWriter
 # failed writing file data/0: file write failed").
-_TORCH_WRITE_ERROR = re.compile(
-    r"unexpected pos|PytorchStreamWriter|inline_container|iostream error|file write failed")
+# An OS error that reached us as text, and Megatron-Core 0.19's words for a write worker that
+# failed (its wrappers; another rank's error), are one too.
+_TORCH_WRITE_ERROR = re.compile(r"unexpected pos|PytorchStreamWriter|inline_container|"
+                                r"iostream error|file write failed|OSError|\[Errno \d+\]|"
+                                r"error is caught while starting worker")
 
 
 class SaveFailed(RuntimeError):
@@ -69,8 +72,9 @@ def describe_failure(exc: BaseException, directory: Optional[str] = None,
                      local: bool = True) -> str:
     """One line for an error of a write: the OS's reason and the file where it says one; for
     torch's CheckpointException, the first failed rank's error (which it holds only on the
-    coordinating rank); for torch's archive writer's short write, the cause found on
-    `directory`'s file system or in this process's file-size limit.
+    coordinating rank); where the writer's words name no cause (torch's archive writer's
+    short write, Megatron-Core's wrappers), the cause found on `directory`'s file system or in
+    this process's file-size limit.
 
     Args:
         exc: the error.
@@ -88,15 +92,18 @@ def describe_failure(exc: BaseException, directory: Optional[str] = None,
     if isinstance(exc, OSError) and exc.strerror:
         return exc.strerror + (f": {exc.filename}" if exc.filename else "")
     text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if not is_write_error(exc):
-        return text
-    # "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0" -> its last part.
-    words = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)
-    cause = "a write came up short (a full disk, or a file-size limit: ulimit -f)"
+    # The writer's words name no cause ("unexpected pos 64 vs 0"; Megatron-Core 0.19's "An
+    # error is caught while starting worker 0, error: <class 'OSError'>"): find it.
     full = no_space_left(directory) if directory is not None else None
     limit, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
     if full is not None:
         cause = full
     elif local and limit != resource.RLIM_INFINITY:
         cause = f"a file reached this process's file-size limit of {limit} bytes (ulimit -f)"
-    return f"{cause} (torch's writer: {words})"
+    elif is_write_error(exc):
+        cause = "a write failed (a full disk, or a file-size limit: ulimit -f)"
+    else:
+        return text
+    # "[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0" -> its last part.
+    words = re.sub(r"\[enforce fail at [^\]]*\]\s*\.?\s*", "", text)
+    return f"{cause} (the writer's words: {words})"
