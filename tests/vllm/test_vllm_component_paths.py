@@ -29,6 +29,7 @@ WIDTH = NC * HN
 BATCHES = {
     "decodes": [(12, 1), (0, 1), (40, 1), (299, 1), (5, 1)],
     "prefills": [(0, 9), (6, 5), (17, 20)],
+    "chunk": [(6, 5)],  # alone: its components read back from one block are all it attends
     "mixed": [(12, 1), (30, 1), (0, 9), (6, 5), (33, 3)],
 }
 # (layout, dtype, block size): the scaled layout's prefill in fp64 takes torch's SDPA, in fp32
