@@ -16,10 +16,10 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from megatron_mea.integrations.vllm.attention import VLLMHeadMix
 from megatron_mea.integrations.vllm.components_cpu import ComponentsImpl, plan
+from megatron_mea.integrations.vllm.prefill import leading_decodes
 from megatron_mea.integrations.vllm.scaled_cache import (
     ScaledComponentsImpl,
     ScaledComponentsMetadata,
-    leading_decodes,
 )
 
 NP, NG, NC, HN, EPS = 8, 4, 2, 32, 1e-6

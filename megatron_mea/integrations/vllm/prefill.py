@@ -38,6 +38,15 @@ from megatron_mea.ops.decode import decode_mask, per_head
 SCRATCH_BLOCK = 128
 
 
+def leading_decodes(query_starts: list) -> int:
+    """Requests with one new token at the head of a batch ordered decodes first (vLLM's
+    `reorder_batch_threshold = 1`); the rest are prefill chunks."""
+    count = 0
+    while count + 1 < len(query_starts) and query_starts[count + 1] - query_starts[count] == 1:
+        count += 1
+    return count
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupMix:
     """The head-mixing weights of one rank's attention layer.
