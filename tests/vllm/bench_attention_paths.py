@@ -6,7 +6,7 @@ one run (a benchmark that prints, not a timed test; vLLM venv, CPU):
 
 One layer of `np` query heads over `ng` K/V heads (the original) or `nc` components (MEA), each
 as vLLM runs it: the cache write of the step's tokens and the attention, on vLLM's cache with
-its blocks of `--block` tokens. Rows:
+its blocks of `--block` tokens. Rows (timed in turn, round after round):
 - original: vLLM's CPU attention (`cpu_attn_reshape_and_cache`, `cpu_attention_with_kv_cache`)
   over the `ng` composite heads;
 - component trick: the same kernel over the plain component cache with the mixed queries for
@@ -16,7 +16,7 @@ its blocks of `--block` tokens. Rows:
 - scaled components: `scaled_cache.ScaledComponentsImpl` (prefill over rebuilt composites,
   decode by `paged_decode`).
 Prefill: one request of `--prompt` new tokens (nothing cached). Decode: `--requests` requests
-of one new token after `--context - 1` cached. Each the best of `--repeats` timings, in ms, and
+of one new token after `--context - 1` cached. Each the best of `--repeats` rounds, in ms, and
 its ratio to the original's.
 """
 
@@ -32,21 +32,25 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from megatron_mea.integrations.vllm.attention import VLLMHeadMix
 from megatron_mea.integrations.vllm.components_cpu import ComponentsImpl, plan
+from megatron_mea.integrations.vllm.prefill import leading_decodes
 from megatron_mea.integrations.vllm.scaled_cache import (
     ScaledComponentsImpl,
     ScaledComponentsMetadata,
-    leading_decodes,
 )
 
 
-def best_ms(step, repeats):
-    step()  # warm-up
-    times = []
+def best_ms(steps, repeats):
+    """{row: best time in ms} of the step functions `steps` ({row: step}), taken in turn round
+    after round (a load that comes and goes falls on every row alike)."""
+    best = dict.fromkeys(steps, float("inf"))
+    for step in steps.values():
+        step()  # warm-up
     for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+        for row, step in steps.items():
+            start = time.perf_counter()
+            step()
+            best[row] = min(best[row], 1e3 * (time.perf_counter() - start))
+    return best
 
 
 class Batch:
@@ -85,8 +89,9 @@ class Batch:
             slot_mapping=self.step_slots)
 
 
-def stock(batch, query, heads, width, dtype, repeats):
-    """vLLM's CPU attention (write, then attention) over `heads` K/V heads of `width`."""
+def stock(batch, query, heads, width, dtype):
+    """The step of vLLM's CPU attention (write, then attention) over `heads` K/V heads of
+    `width`."""
     isa = _get_attn_isa(dtype, batch.block, width)
     cache = torch.zeros(batch.num_blocks, heads, 2 * batch.block, width, dtype=dtype)
     key_cache, value_cache = cache.chunk(2, dim=2)
@@ -106,11 +111,11 @@ def stock(batch, query, heads, width, dtype, repeats):
                                         width**-0.5, True, None, -1, batch.block_table, 0.0,
                                         schedule, None)
 
-    return best_ms(step, repeats)
+    return step
 
 
-def plugin(batch, query, impl, head_size, value_width, layer, dtype, metadata, repeats):
-    """One of the plugin's impls (write, then attention) on its cache."""
+def plugin(batch, query, impl, head_size, value_width, layer, dtype, metadata):
+    """The step of one of the plugin's impls (write, then attention) on its cache."""
     cache = torch.zeros(batch.num_blocks, 1, batch.block, head_size + value_width, dtype=dtype)
     every = len(batch.all_slots)
     impl.do_kv_cache_update(layer, torch.randn(every, 1, head_size, dtype=dtype),
@@ -126,7 +131,7 @@ def plugin(batch, query, impl, head_size, value_width, layer, dtype, metadata, r
         impl.do_kv_cache_update(layer, key, value, cache, batch.step_slots)
         impl.forward(layer, query, key, value, cache, metadata, output)
 
-    return best_ms(step, repeats)
+    return step
 
 
 def measure(batch, args):
@@ -139,18 +144,18 @@ def measure(batch, args):
     torch.nn.init.normal_(head_mix.value_weight)
     tokens = batch.starts[-1]
     plain_query = torch.randn(tokens, np_, hn, dtype=dtype)
-    times = {
-        "original": stock(batch, plain_query, ng, hn, dtype, args.repeats),
+    steps = {
+        "original": stock(batch, plain_query, ng, hn, dtype),
         "component trick": stock(batch, torch.randn(tokens, np_, width, dtype=dtype), 1, width,
-                                 dtype, args.repeats),
+                                 dtype),
     }
     isa = _get_attn_isa(dtype, batch.block, width)
     layer = types.SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
     impl = ComponentsImpl(np_, width, hn**-0.5, 1, head_dim=hn, head_mix=head_mix,
                           num_groups=ng)
     query = torch.nn.functional.pad(plain_query, (0, width - hn))
-    times["components"] = plugin(batch, query, impl, width, width, layer, dtype,
-                                 plan(batch.common(), isa, np_, width, dtype), args.repeats)
+    steps["components"] = plugin(batch, query, impl, width, width, layer, dtype,
+                                 plan(batch.common(), isa, np_, width, dtype))
     impl = ScaledComponentsImpl(np_, width + ng, hn**-0.5, 1, num_scales=ng, head_dim=hn,
                                 head_mix=head_mix)
     query = torch.nn.functional.pad(plain_query, (0, width + ng - hn))
@@ -158,9 +163,9 @@ def measure(batch, args):
         num_actual_tokens=tokens, query_starts=batch.starts, seq_lens=batch.lengths,
         block_table=batch.block_table, slot_mapping=batch.step_slots,
         num_decodes=leading_decodes(batch.starts))
-    times["scaled components"] = plugin(batch, query, impl, width + ng, width, None, dtype,
-                                        metadata, args.repeats)
-    return times
+    steps["scaled components"] = plugin(batch, query, impl, width + ng, width, None, dtype,
+                                        metadata)
+    return best_ms(steps, args.repeats)
 
 
 def main(argv=None):
@@ -174,7 +179,7 @@ def main(argv=None):
     parser.add_argument("--components", type=int, default=2)
     parser.add_argument("--block", type=int, default=128, help="tokens per KV block")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, help="torch's threads (default: torch's own)")
     args = parser.parse_args(argv)
     if args.threads:

@@ -16,19 +16,20 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from megatron_mea.integrations.vllm.attention import VLLMHeadMix
 from megatron_mea.integrations.vllm.components_cpu import ComponentsImpl, plan
+from megatron_mea.integrations.vllm.prefill import leading_decodes
 from megatron_mea.integrations.vllm.scaled_cache import (
     ScaledComponentsImpl,
     ScaledComponentsMetadata,
-    leading_decodes,
 )
 
 NP, NG, NC, HN, EPS = 8, 4, 2, 32, 1e-6
 WIDTH = NC * HN
 # (cached, new) per request, decodes first as vLLM orders them. A 1-token prompt is a decode;
-# the 300-token one spans two of `paged_decode`'s tiles.
+# the 300-token one spans two of `paged_decode`'s tiles; five decodes are two of its groups.
 BATCHES = {
-    "decodes": [(12, 1), (0, 1), (40, 1), (299, 1)],
+    "decodes": [(12, 1), (0, 1), (40, 1), (299, 1), (5, 1)],
     "prefills": [(0, 9), (6, 5), (17, 20)],
+    "chunk": [(6, 5)],  # alone: its components read back from one block are all it attends
     "mixed": [(12, 1), (30, 1), (0, 9), (6, 5), (33, 3)],
 }
 # (layout, dtype, block size): the scaled layout's prefill in fp64 takes torch's SDPA, in fp32

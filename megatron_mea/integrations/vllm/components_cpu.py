@@ -39,8 +39,12 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-from megatron_mea.integrations.vllm.prefill import Components, GroupMix, attend_prefills
-from megatron_mea.integrations.vllm.scaled_cache import leading_decodes
+from megatron_mea.integrations.vllm.prefill import (
+    Components,
+    GroupMix,
+    attend_prefills,
+    leading_decodes,
+)
 
 _NAME = "MEA_COMPONENTS_CPU"
 # vLLM's CPU layouts whose key blocks are plain transposes (read back for chunked prefill).

@@ -38,6 +38,15 @@ from megatron_mea.ops.decode import decode_mask, per_head
 SCRATCH_BLOCK = 128
 
 
+def leading_decodes(query_starts: list) -> int:
+    """Requests with one new token at the head of a batch ordered decodes first (vLLM's
+    `reorder_batch_threshold = 1`); the rest are prefill chunks."""
+    count = 0
+    while count + 1 < len(query_starts) and query_starts[count + 1] - query_starts[count] == 1:
+        count += 1
+    return count
+
+
 @dataclasses.dataclass(frozen=True)
 class GroupMix:
     """The head-mixing weights of one rank's attention layer.
@@ -59,7 +68,8 @@ class GroupMix:
         """From the layer's `VLLMHeadMix` (read at each call: the weights load after the layer
         is built) for the groups `first_group .. first_group + num_groups - 1`."""
         local = slice(first_group, first_group + num_groups)
-        key, value = head_mix.key_weight[:, local], head_mix.value_weight[:, local]
+        key = head_mix.key_weight.detach()[:, local]  # inference: no autograd graph
+        value = head_mix.value_weight.detach()[:, local]
         return cls(key, value, per_head(key, num_heads).t(), per_head(value, num_heads).t())
 
     def mix_queries(self, query: torch.Tensor) -> torch.Tensor:
@@ -100,7 +110,9 @@ def _mix(components: torch.Tensor, mix: torch.Tensor) -> torch.Tensor:
     """`sum_c mix[c, g] x_c`: `[S, nc, hn]`, `[nc, ng]` -> `[S, ng, hn]`, one multiply-add per
     component (`nc` is small; an einsum or a GEMM over `nc` copies its operands around)."""
     mix = mix.to(components.dtype)[:, :, None]  # [nc, ng, 1]
-    out = components[:, 0, None, :] * mix[0]
+    # Contiguous whatever the strides of `components` (vLLM's cache write needs it so).
+    out = components.new_empty(components.shape[0], mix.shape[1], components.shape[2])
+    torch.mul(components[:, 0, None, :], mix[0], out=out)
     for component in range(1, components.shape[1]):
         out.addcmul_(components[:, component, None, :], mix[component])
     return out
@@ -164,8 +176,8 @@ def _vllm_cpu_attention(query, keys, values, query_starts, scale):
     key_cache, value_cache = scratch.chunk(2, dim=2)
     keys, values, slots = (parts[0] if len(parts) == 1 else torch.cat(parts)
                            for parts in (keys, values, slots))
-    ops.cpu_attn_reshape_and_cache(keys.to(dtype), values.to(dtype), key_cache, value_cache,
-                                   slots, isa)
+    ops.cpu_attn_reshape_and_cache(keys.to(dtype).contiguous(), values.to(dtype).contiguous(),
+                                   key_cache, value_cache, slots, isa)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     starts = torch.tensor(query_starts, dtype=torch.int32)
     schedule = ops.cpu_attn_get_scheduler_metadata(

@@ -47,18 +47,14 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from megatron_mea.integrations.vllm.paged_decode import paged_decode
-from megatron_mea.integrations.vllm.prefill import Components, GroupMix, attend_prefills
+from megatron_mea.integrations.vllm.prefill import (
+    Components,
+    GroupMix,
+    attend_prefills,
+    leading_decodes,
+)
 
 _NAME = "MEA_SCALED_COMPONENTS"
-
-
-def leading_decodes(query_starts: list) -> int:
-    """Requests with one new token at the head of a batch ordered decodes first (vLLM's
-    `reorder_batch_threshold = 1`); the rest are prefill chunks."""
-    count = 0
-    while count + 1 < len(query_starts) and query_starts[count + 1] - query_starts[count] == 1:
-        count += 1
-    return count
 
 
 @dataclasses.dataclass
