@@ -16,10 +16,12 @@ layer is the mixed query `q~_h = [A_k[0, g] q_h ... A_k[nc-1, g] q_h]` padded to
 width (the pad is never read); the output is `p_h @ [V_0 ... V_nc-1]`, which the model mixes
 with `A_v` as for the unscaled component cache.
 
-The torch attention loops over the requests of a batch (a gather of its blocks, one GEMM for
-the scores, the softmax of `ops.decode.softmax_scores` with the scales, one GEMM for the
-values): exact, and the CPU path. A GPU run would use a paged Triton kernel with the same
-layout (docs/inference.md, "vLLM").
+On CUDA the attention is a paged Triton kernel over the cache in place
+(`triton_attention.scale_group_attention`: vLLM's `unified_attention` with a logit scale per
+group of query heads, `megatron_mea.ops.paged_attention`), whose metadata the builder gives and
+which vLLM may capture in CUDA graphs. Elsewhere (the CPU) the torch attention loops over the
+requests of a batch (a gather of its blocks, one GEMM for the scores, the softmax of
+`ops.decode.softmax_scores` with the scales, one GEMM for the values): exact, and the fallback.
 
 Shape legend: `T` tokens of the batch, `np` query heads of this rank, `ng` this rank's composite
 keys (scales per token), `C` a cache row (`nc*hn + ng` key entries, then `nc*hn` values), `S`
@@ -27,10 +29,13 @@ positions a request has cached, `s` its new tokens, `bs` tokens per block.
 """
 
 import dataclasses
+from typing import ClassVar, Optional
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -38,6 +43,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from megatron_mea.ops.decode import decode_mask, softmax_scores
@@ -56,31 +62,80 @@ class ScaledComponentsMetadata:
         seq_lens: `[R]` positions each request has cached once this step's tokens are written.
         block_table: `[R, max_blocks]` block ids of each request.
         slot_mapping: `[T]` cache slot of each new token (`block * bs + offset`; -1 = padding).
+        query_start_loc, seq_lens_tensor, max_query_len, max_seq_len: the same bounds as
+            device tensors (`[R + 1]`, `[R]` int32) and their maxima, for the Triton kernel.
+        split: the kernel's split-KV scratch for decode steps (CUDA), or None.
+    On CUDA `query_starts` and `seq_lens` are None (reading them would wait for the device).
     """
 
     num_actual_tokens: int
-    query_starts: list
-    seq_lens: list
+    query_starts: Optional[list]
+    seq_lens: Optional[list]
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    query_start_loc: Optional[torch.Tensor] = None
+    seq_lens_tensor: Optional[torch.Tensor] = None
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    split: Optional[object] = None  # ops.paged_attention.SplitBuffers
 
 
 class ScaledComponentsMetadataBuilder(AttentionMetadataBuilder[ScaledComponentsMetadata]):
-    """Builds `ScaledComponentsMetadata` from vLLM's common metadata of a batch."""
+    """Builds `ScaledComponentsMetadata` from vLLM's common metadata of a batch.
+
+    CUDA graphs as vLLM's Triton backend (`TritonAttentionMetadataBuilder`): on CUDA the kernel
+    reads only the engine's persistent tensors and this builder's split-KV scratch, so any batch,
+    prefill and decode mixed, may be captured; the split-KV form serves decode steps of up to
+    `split.max_seqs` requests, matched to a capture size so that each graph keeps one form. The
+    torch path runs on the CPU, where vLLM captures no graphs.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.split = None
+        if torch.device(device).type == "cuda":
+            from megatron_mea.ops.paged_attention import MIN_LAUNCH_GRID_SIZE_2D, SplitBuffers
+
+            # One K/V head: below this many requests a decode step splits each over segments.
+            max_seqs = MIN_LAUNCH_GRID_SIZE_2D
+            compilation = vllm_config.compilation_config
+            if compilation.cudagraph_mode in (CUDAGraphMode.FULL_AND_PIECEWISE,
+                                              CUDAGraphMode.FULL_DECODE_ONLY,
+                                              CUDAGraphMode.FULL):
+                max_seqs = min(compilation.cudagraph_capture_sizes,
+                               key=lambda size: abs(size - max_seqs))
+            heads = (get_num_attention_heads_from_layers(vllm_config, layer_names)
+                     or vllm_config.model_config.get_num_attention_heads(
+                         vllm_config.parallel_config))
+            self.split = SplitBuffers.allocate(max_seqs, heads, kv_cache_spec.head_size_v,
+                                               device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ScaledComponentsMetadata:
         common = common_attn_metadata
+        on_cuda = self.split is not None
         return ScaledComponentsMetadata(
             num_actual_tokens=common.num_actual_tokens,
-            query_starts=common.query_start_loc_cpu[:common.num_reqs + 1].tolist(),
-            seq_lens=common.seq_lens[:common.num_reqs].tolist(),
+            query_starts=None if on_cuda else
+            common.query_start_loc_cpu[:common.num_reqs + 1].tolist(),
+            seq_lens=None if on_cuda else common.seq_lens[:common.num_reqs].tolist(),
             block_table=common.block_table_tensor,
             slot_mapping=common.slot_mapping,
+            query_start_loc=common.query_start_loc,
+            seq_lens_tensor=common.seq_lens,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            split=self.split,
         )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
+        """As vLLM's Triton backend: captured with one cached position per request (a capture
+        at the model's length would be slow), the lengths being read at replay."""
+        meta = self.build(0, common_attn_metadata)
+        meta.seq_lens_tensor.fill_(1)
+        return meta
 
 
 class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
@@ -115,9 +170,15 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
         `kv_cache [blocks, 1, bs, C]` at `slot_mapping [T]`."""
         block_size = kv_cache.shape[2]
         slots = slot_mapping[: key.shape[0]]
-        kept = slots >= 0
         rows = torch.cat([key[: slots.shape[0], 0], value[: slots.shape[0], 0]], dim=-1)
-        slots, rows = slots[kept], rows[kept]
+        if kv_cache.is_cuda:
+            # No boolean indexing (it waits for the device and cannot be captured in a CUDA
+            # graph): padding (-1) writes into block 0, vLLM's null block, which no request
+            # holds and no read reaches.
+            slots = slots.clamp(min=0)
+        else:
+            kept = slots >= 0
+            slots, rows = slots[kept], rows[kept]
         kv_cache[slots // block_size, 0, slots % block_size] = rows.to(kv_cache.dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -129,6 +190,11 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
                                       "quantization")
         if attn_metadata is None:  # the engine's warm-up and profiling runs
             return output
+        if query.is_cuda:
+            from megatron_mea.integrations.vllm.triton_attention import scale_group_attention
+
+            return scale_group_attention(query, kv_cache, output, attn_metadata,
+                                         self.key_width, self.head_size, self.scale)
         meta, width = attn_metadata, self.key_width
         block_size = kv_cache.shape[2]
         bounds = zip(meta.query_starts[:-1], meta.query_starts[1:], meta.seq_lens)

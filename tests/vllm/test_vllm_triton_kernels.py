@@ -1,0 +1,51 @@
+"""The Triton kernels of MEA's scaled-components cache (what the backend runs on CUDA), under
+Triton's interpreter on the CPU in fp32, against the plugin's torch path and attention over the
+composite heads: the package's scale-group kernel (`megatron_mea.ops.paged_attention`) and vLLM's
+own `unified_attention` on stride-0 views of the cache (`integrations/vllm/triton_attention.py`).
+
+Batches (`tests/vllm/_triton_interpret.py`): a decode step, a chunk after cached tokens and a
+first prefill in one batch with padding, on 4-token blocks scattered over the pool; a decode-only
+step on 16-token blocks through the split-KV form. One process of its own runs them all, with
+`TRITON_INTERPRET=1` set there only (triton reads it when a kernel module is imported).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOLERANCE = 2e-6  # fp32; measured 2.5e-7 to 4.8e-7
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    out = tmp_path_factory.mktemp("triton") / "kernels.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-m", "tests.vllm._triton_interpret", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    with open(out, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_scale_group_kernel_equals_the_torch_path_and_the_composite_heads(interpreted, batch):
+    row = interpreted[batch]["scale_group"]
+    assert row["finite"]
+    assert row["vs_torch"] <= TOLERANCE and row["vs_composite"] <= TOLERANCE, row
+    assert row["padding_untouched"]
+    assert row["split_kv"] == (batch == "decode")
+
+
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_vllm_unified_attention_on_strided_views_equals_the_torch_path(interpreted, batch):
+    row = interpreted[batch]["stock"]
+    assert row["finite"]
+    assert row["vs_torch"] <= TOLERANCE and row["vs_composite"] <= TOLERANCE, row
+    assert row["split_kv"] == (batch == "decode")
+    if batch == "mixed":  # vLLM's split-KV reduction writes the padding rows too
+        assert row["padding_untouched"]
