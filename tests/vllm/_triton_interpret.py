@@ -10,7 +10,8 @@ must not leak into the test session. fp32 (bf16 is unreliable in the interpreter
 For each batch and kernel (`scale_group`: the package's kernel; `stock`: vLLM's
 `unified_attention` on stride-0 views) it writes the largest difference from the plugin's torch
 forward and from attention over the composite heads, whether the padding rows were left alone
-(vLLM's split-KV form writes them), and whether the split-KV form ran.
+(vLLM's split-KV form writes them), and whether the split-KV form ran; and the record of the
+GPU acceptance's `paged_kernel` step in its CPU form (`acceptance/paged_kernel.py --smoke`).
 """
 
 import json
@@ -78,6 +79,10 @@ def main(path):
         raise SystemExit("run with TRITON_INTERPRET=1 (see the module docstring)")
     real_triton_for_vllm()
     results = {name: run(name, settings) for name, settings in BATCHES.items()}
+    # The GPU acceptance's kernel step in its CPU form (the smoke venv has no triton).
+    from megatron_mea.acceptance import paged_kernel
+
+    results["acceptance_smoke"] = paged_kernel.run("smoke")
     with open(path, "w", encoding="utf-8") as handle:
         json.dump(results, handle, indent=1)
 

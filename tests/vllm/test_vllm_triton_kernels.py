@@ -49,3 +49,15 @@ def test_vllm_unified_attention_on_strided_views_equals_the_torch_path(interpret
     assert row["split_kv"] == (batch == "decode")
     if batch == "mixed":  # vLLM's split-KV reduction writes the padding rows too
         assert row["padding_untouched"]
+
+
+def test_the_gpu_acceptance_kernel_step_runs_in_its_cpu_form(interpreted):
+    """`acceptance/paged_kernel.py --smoke` (the GPU acceptance's kernel check; the acceptance's
+    own CPU smoke has no triton and reports it as not available): exact, and every timing."""
+    record = interpreted["acceptance_smoke"]
+    assert record["ok"] and record["exact"]["float32"]["ok"]
+    assert set(record["exact"]["float32"]) >= {"one pass", "split-KV"}
+    for kind in ("decode", "prefill"):
+        for row in record[kind].values():
+            assert row["mea_kernel_ms"] > 0 and row["original_kernel_ms"] > 0
+            assert row["original_sdpa_ms"] > 0 and row["kv_bytes_per_token_vs_original"] < 0.6
