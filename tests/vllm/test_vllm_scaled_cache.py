@@ -42,37 +42,32 @@ def cache_entries(query, keys, values, key_mix, weight):
     return padded, rows[:, None], values.reshape(values.shape[0], 1, -1)
 
 
-def scaled_batch(dtype, cached, new, block=BLOCK, num_blocks=16, seed=0):
-    """A batch as the engine hands it to the layer: requests with `cached[i]` positions in the
-    cache and `new[i]` tokens this step, their blocks scattered over the pool, two padding
-    tokens after them; the cache written through `do_kv_cache_update` (NaN where unwritten).
-
-    Returns a dict: `impl`, `query`, `key`, `value`, `kv_cache`, `meta`
-    (`ScaledComponentsMetadata`, the Triton kernels' tensors included), `starts`, and `want`:
-    each request's outputs by attention over the composite heads, `[s, np, hn]`;
-    `mixed(output, request)` mixes the layer's output rows of a request with `A_v`.
-    """
-    torch.manual_seed(seed)
+def test_paged_attention_with_scales_equals_attention_over_the_composite_heads():
+    torch.manual_seed(0)
+    dtype = torch.float64
     key_mix, value_mix = torch.randn(NC, NG, dtype=dtype), torch.randn(NC, NG, dtype=dtype)
     weight = 1 + 0.3 * torch.randn(HN, dtype=dtype)
     scale = HN**-0.5
     impl = ScaledComponentsImpl(NP, NC * HN + NG, scale, 1, num_scales=NG)
+    # Three requests: a decode step after 12 cached, a chunk of 5 after 6, a first prefill of 9.
+    cached, new = [12, 6, 0], [1, 5, 9]
     lengths = [c + n for c, n in zip(cached, new)]
-    kv_cache = torch.full((num_blocks, 1, block, 2 * NC * HN + NG), float("nan"), dtype=dtype)
+    num_blocks = 16
+    kv_cache = torch.full((num_blocks, 1, BLOCK, 2 * NC * HN + NG), float("nan"), dtype=dtype)
     block_ids = torch.randperm(num_blocks)  # requests' blocks scattered over the pool
-    block_table = torch.zeros(len(lengths), -(-max(lengths) // block) + 1, dtype=torch.long)
+    block_table = torch.zeros(3, 8, dtype=torch.long)
     used = 0
     for request, length in enumerate(lengths):
-        count = -(-length // block)
+        count = -(-length // BLOCK)
         block_table[request, :count] = block_ids[used:used + count]
         used += count
 
     def slots(request, positions):
-        return block_table[request, positions // block] * block + positions % block
+        return block_table[request, positions // BLOCK] * BLOCK + positions % BLOCK
 
     data = [(torch.randn(length, NP, HN, dtype=dtype), torch.randn(length, NC, HN, dtype=dtype),
              torch.randn(length, NC, HN, dtype=dtype)) for length in lengths]
-    queries, key_rows, value_rows, slot_list, want = [], [], [], [], []
+    queries, key_rows, value_rows, slot_list = [], [], [], []
     for request, (query, keys, values) in enumerate(data):
         padded, rows, value_row = cache_entries(query, keys, values, key_mix, weight)
         past = torch.arange(cached[request])
@@ -82,8 +77,6 @@ def scaled_batch(dtype, cached, new, block=BLOCK, num_blocks=16, seed=0):
         key_rows.append(rows[step])
         value_rows.append(value_row[step])
         slot_list.append(slots(request, step))
-        want.append(composite_attention(query[cached[request]:], keys, values, key_mix,
-                                        value_mix, weight, scale))
     padding = 2  # a padded batch: slots -1, outputs left alone
     query = torch.cat(queries + [torch.zeros(padding, NP, NC * HN + NG, dtype=dtype)])
     slot_mapping = torch.cat(slot_list + [torch.full((padding,), -1)])
@@ -93,36 +86,19 @@ def scaled_batch(dtype, cached, new, block=BLOCK, num_blocks=16, seed=0):
     starts = [0]
     for count in new:
         starts.append(starts[-1] + count)
-    meta = ScaledComponentsMetadata(
-        num_actual_tokens=starts[-1], query_starts=starts, seq_lens=lengths,
-        block_table=block_table.to(torch.int32), slot_mapping=slot_mapping,
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens_tensor=torch.tensor(lengths, dtype=torch.int32), max_query_len=max(new),
-        max_seq_len=max(lengths))
-    group = torch.arange(NP) // (NP // NG)
+    meta = ScaledComponentsMetadata(num_actual_tokens=starts[-1], query_starts=starts,
+                                    seq_lens=lengths, block_table=block_table,
+                                    slot_mapping=slot_mapping)
+    output = torch.zeros(query.shape[0], NP, NC * HN, dtype=dtype)
+    impl.forward(None, query, key, value, kv_cache, meta, output)
 
-    def mixed(output, request):
-        rows = output[starts[request]:starts[request + 1]].view(-1, NP, NC, HN)
-        return torch.einsum("shcd,ch->shd", rows, value_mix[:, group].to(rows.dtype))
-
-    return dict(impl=impl, query=query, key=key, value=value, kv_cache=kv_cache, meta=meta,
-                starts=starts, want=want, mixed=mixed)
-
-
-# A decode step after 12 cached, a chunk of 5 after 6, a first prefill of 9, in one batch.
-MIXED = dict(cached=[12, 6, 0], new=[1, 5, 9])
-
-
-def test_paged_attention_with_scales_equals_attention_over_the_composite_heads():
-    batch = scaled_batch(torch.float64, **MIXED)
-    query, meta = batch["query"], batch["meta"]
-    output = torch.zeros(query.shape[0], NP, NC * HN, dtype=query.dtype)
-    batch["impl"].forward(None, query, batch["key"], batch["value"], batch["kv_cache"], meta,
-                          output)
-    for request, want in enumerate(batch["want"]):
-        torch.testing.assert_close(batch["mixed"](output, request), want, rtol=1e-10,
-                                   atol=1e-10)
-    assert not output[batch["starts"][-1]:].any()
+    for request, (query_all, keys, values) in enumerate(data):
+        got = output[starts[request]:starts[request + 1]].view(-1, NP, NC, HN)
+        got = torch.einsum("shcd,ch->shd", got, value_mix[:, torch.arange(NP) // (NP // NG)])
+        want = composite_attention(query_all[cached[request]:], keys, values, key_mix,
+                                   value_mix, weight, scale)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert not output[starts[-1]:].any()
 
 
 # Long prompts sharing a 40-token prefix (several 16-token blocks) and one short prompt: 16

@@ -1,7 +1,9 @@
 """The Triton kernels of MEA's scaled-components cache (what the backend runs on CUDA), under
-Triton's interpreter on the CPU in fp32, against the plugin's torch path and attention over the
-composite heads: the package's scale-group kernel (`megatron_mea.ops.paged_attention`) and vLLM's
-own `unified_attention` on stride-0 views of the cache (`integrations/vllm/triton_attention.py`).
+Triton's interpreter on the CPU in fp32, against torch: the package's scale-group kernel
+(`megatron_mea.ops.paged_attention`) and vLLM's own `unified_attention` on stride-0 views of the
+cache (`integrations/vllm/triton_attention.py`), each against the torch attention over the
+component cache with the scales (`ops.decode.component_attention`, the plugin's torch math) and
+attention over the composite heads.
 
 Batches (`tests/vllm/_triton_interpret.py`): a decode step, a chunk after cached tokens and a
 first prefill in one batch with padding, on 4-token blocks scattered over the pool; a decode-only
