@@ -15,7 +15,9 @@ builder gives. For each batch and kernel (`scale_group`: the package's kernel; `
 with `A_v`, from two references: the Megatron decoder's torch attention over the component cache
 (`ops.decode.component_attention`, the math of the plugin's torch path) and attention over the
 composite heads; whether the padding rows were left alone (vLLM's split-KV form writes them) and
-whether the split-KV form ran. Then the record of the GPU acceptance's `paged_kernel` step in its
+whether the split-KV form ran. Then the backend's impl on what the layer hands it (plain queries,
+its head mix): its CUDA code (`forward_triton`, the mixing around the kernel) against its CPU
+path (`forward`: batched decodes, vLLM's C++ prefill over rebuilt composites). Then the record of the GPU acceptance's `paged_kernel` step in its
 CPU form (`acceptance/paged_kernel.py --smoke`).
 """
 
@@ -25,7 +27,12 @@ import sys
 
 import torch
 
-from megatron_mea.integrations.vllm.scaled_cache import ScaledComponentsMetadata
+from megatron_mea.integrations.vllm.attention import VLLMHeadMix
+from megatron_mea.integrations.vllm.scaled_cache import (
+    ScaledComponentsImpl,
+    ScaledComponentsMetadata,
+    leading_decodes,
+)
 from megatron_mea.integrations.vllm.triton_attention import (
     scale_group_attention,
     stock_unified_attention,
@@ -33,7 +40,7 @@ from megatron_mea.integrations.vllm.triton_attention import (
 from megatron_mea.ops.decode import component_attention, decode_mask
 from megatron_mea.ops.paged_attention import SplitBuffers
 
-NP, NG, NC, HN, EPS = 8, 4, 2, 16, 1e-6
+NP, NG, NC, HN, EPS = 8, 4, 2, 32, 1e-6  # hn 32: the least vLLM's C++ prefill takes
 WIDTH = NC * HN
 # mixed: a decode step after 12 cached, a chunk of 5 after 6, a first prefill of 9, on 4-token
 # blocks (a 32-token tile spans 8 scattered blocks). decode: a decode-only step on 16-token
@@ -69,7 +76,7 @@ def batch(cached, new, block, num_blocks, segments=None):
     kv_cache = torch.full((num_blocks, 1, block, 2 * WIDTH + NG), float("nan"))
     block_ids = torch.randperm(num_blocks)  # requests' blocks scattered over the pool
     block_table = torch.zeros(len(lengths), -(-max(lengths) // block) + 1, dtype=torch.int32)
-    queries, references, starts, used = [], [], [0], 0
+    queries, plain, key_rows, value_rows, references, starts, used = [], [], [], [], [], [0], 0
     for request, length in enumerate(lengths):
         count = -(-length // block)
         block_table[request, :count] = block_ids[used:used + count]
@@ -84,6 +91,10 @@ def batch(cached, new, block, num_blocks, segments=None):
         step = query[cached[request]:]
         mixed = torch.einsum("shd,ch->shcd", step, key_mix[:, group]).reshape(len(step), NP, -1)
         queries.append(torch.nn.functional.pad(mixed, (0, NG)))
+        # What the layer hands the impl: q_h in the first hn, the new tokens' rows.
+        plain.append(torch.nn.functional.pad(step, (0, WIDTH + NG - HN)))
+        key_rows.append(rows[cached[request]:, None, :WIDTH + NG])
+        value_rows.append(rows[cached[request]:, None, WIDTH + NG:])
         components = component_attention(step[None], (keys * weight)[None], values[None],
                                           key_mix, value_mix, scale, scales.t()[None],
                                           decode_mask(len(step), length))[0]
@@ -92,9 +103,17 @@ def batch(cached, new, block, num_blocks, segments=None):
                                                scale)))
         starts.append(starts[-1] + len(step))
     query = torch.cat(queries + [torch.zeros(2, NP, WIDTH + NG)])  # two padding tokens
+    layer = {"query": torch.cat(plain + [torch.zeros(2, NP, WIDTH + NG)]),
+             "key": torch.cat(key_rows + [torch.zeros(2, 1, WIDTH + NG)]),
+             "value": torch.cat(value_rows + [torch.zeros(2, 1, WIDTH)])}
+    head_mix = VLLMHeadMix(NC, NG)
+    head_mix.key_weight.data, head_mix.value_weight.data = key_mix, value_mix
+    layer["impl"] = ScaledComponentsImpl(NP, WIDTH + NG, scale, 1, num_scales=NG, head_dim=HN,
+                                         head_mix=head_mix)
     meta = ScaledComponentsMetadata(
         num_actual_tokens=starts[-1], query_starts=starts, seq_lens=lengths,
         block_table=block_table, slot_mapping=torch.zeros(0),
+        num_decodes=leading_decodes(starts),
         query_start_loc=torch.tensor(starts, dtype=torch.int32),
         seq_lens_tensor=torch.tensor(lengths, dtype=torch.int32), max_query_len=max(new),
         max_seq_len=max(lengths),
@@ -105,11 +124,11 @@ def batch(cached, new, block, num_blocks, segments=None):
     def mix_outputs(rows):
         return torch.einsum("shcd,ch->shd", rows.view(-1, NP, NC, HN), value_mix[:, group])
 
-    return query, kv_cache, meta, references, mix_outputs
+    return query, kv_cache, meta, references, mix_outputs, layer
 
 
 def run(settings):
-    query, kv_cache, meta, references, mix_outputs = batch(**settings)
+    query, kv_cache, meta, references, mix_outputs, layer = batch(**settings)
     end = references[-1][1]
     results = {}
     for kernel, function in KERNELS.items():
@@ -126,6 +145,21 @@ def run(settings):
                                          (got - composite).abs().max().item())
         results[kernel] = {**errors, "padding_untouched": not out[end:].any().item(),
                            "finite": bool(out[:end].isfinite().all()), "split_kv": split_used}
+    # The impl as the backend runs it: its CPU path (torch, vLLM's C++ prefill) against its
+    # CUDA path's code (`forward_triton`, here on CPU tensors), on what the layer hands it.
+    impl, outputs = layer["impl"], {}
+    for path in ("torch", "triton"):
+        out = torch.zeros(query.shape[0], NP, WIDTH)
+        if path == "torch":
+            impl.forward(None, layer["query"], layer["key"], layer["value"], kv_cache, meta, out)
+        else:
+            impl.forward_triton(layer["query"], kv_cache, meta, out)
+        outputs[path] = out[:end, :, :HN]
+    composite = torch.cat([reference[3] for reference in references])
+    results["impl"] = {
+        "vs_torch": (outputs["triton"] - outputs["torch"]).abs().max().item(),
+        "vs_composite": (outputs["triton"] - composite).abs().max().item(),
+        "torch_vs_composite": (outputs["torch"] - composite).abs().max().item()}
     return results
 
 

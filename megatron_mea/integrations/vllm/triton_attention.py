@@ -30,8 +30,9 @@ def cache_views(kv_cache: torch.Tensor, key_width: int, head_size: int):
 
 
 def scale_group_attention(query, kv_cache, output, meta, key_width, head_size, scale):
-    """The package's Triton kernel: `query [T, np, nc*hn + ng]` (padded mixed queries) ->
-    `output [T, np, nc*hn]` (the batch's tokens; padding left alone)."""
+    """The package's Triton kernel: `query [T, np, >= nc*hn]` (the mixed queries `q~_h` in the
+    first `nc*hn`) -> `output [T, np, nc*hn]`, `p_h @ [V_0 ... V_nc-1]` (the batch's tokens;
+    padding left alone)."""
     from megatron_mea.ops.paged_attention import paged_attention
 
     keys, values, scales = cache_views(kv_cache, key_width, head_size)
