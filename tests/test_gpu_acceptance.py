@@ -2,6 +2,7 @@
 simulated GPU machine (offline install without pip, every step but the CUDA-only ones, the
 packed report), and its pieces (wheel choice and unpacking, FLOP counts, peaks, checks, reports)."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -94,19 +95,31 @@ def test_cpu_smoke_on_a_simulated_gpu_machine_installs_offline_and_packs_the_rep
     with tarfile.open(out / "report.tar.gz") as archive:
         packed = set(archive.getnames())
     assert {"gpu_tests.log", "gpu_tests.xml", "training.log", "decode.log",
-            "bench_h64-local.log"} <= packed
+            "bench_h64-local.log", "paged_kernel.log"} <= packed
     assert not any("data_cache" in name for name in packed)
     assert "[acceptance] training: ok" in (out / "console.log").read_text()
     result = json.loads((out / "acceptance.json").read_text())
     assert result["mode"] == "cpu-smoke" and result["ok"]
     steps = result["steps"]
     assert list(steps) == ["environment", "gpu_tests", "training", "decode_bench",
-                           "megatron_lm", "layer_bench"]
+                           "paged_kernel", "megatron_lm", "layer_bench"]
     # megatron-core and megatron_mea came from the wheels, not from this venv.
     assert str(tmp_path / "site") in result["environment"]["megatron_core"]
     assert result["environment"]["megatron_core"].startswith(mcore)
-    assert all(step["ok"] for name, step in steps.items() if name != "megatron_lm")
+    assert all(step["ok"] for name, step in steps.items()
+               if name not in ("megatron_lm", "paged_kernel"))
     assert steps["megatron_lm"]["not_available"] and "megatron_lm" in result["skipped"]
+    # The serving kernel runs tiny under Triton's interpreter where torch brings triton (a CUDA
+    # build, as in the 0.19 leg's venv); a CPU build has none: then it is named as not available
+    # (tests/vllm runs its CPU form), not dropped.
+    kernel = steps["paged_kernel"]
+    if importlib.util.find_spec("triton") is None:
+        assert "triton does not import" in kernel["not_available"]
+        assert "paged_kernel" in result["skipped"]
+    else:
+        assert kernel["ok"] and kernel["device"] == "cpu", kernel
+        assert set(kernel["exact"]["float32"]) == {"one pass", "split-KV"}
+        assert set(kernel["decode"]) == {"24"} and set(kernel["prefill"]) == {"12"}
     # The GPU tier is collected, and every test in it is skipped without CUDA.
     tests = steps["gpu_tests"]
     assert tests["tests"] >= 20 and tests["skipped"] == tests["tests"]
@@ -137,6 +150,7 @@ def test_cpu_smoke_on_a_simulated_gpu_machine_installs_offline_and_packs_the_rep
     summary = (out / "summary.txt").read_text()
     assert "PASSED" in summary and "mea-virtual" in summary and "core attention sdpa" in summary
     assert "[SKIPPED] megatron_lm" in summary and "mea-half" in summary
+    assert ("[ok] paged_kernel" in summary) != ("[SKIPPED] paged_kernel" in summary)
 
 
 def test_without_cuda_and_without_smoke_it_refuses(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ class Plan:
     # decode benchmark: mea-bench-decode's flags (shape, context lengths, variants)
     decode_flags: List[str]
     decode_timeout_s: int
+    paged_kernel_timeout_s: int  # acceptance/paged_kernel.py (exactness and timing)
     budget_s: int  # the whole run; a step that no longer fits is skipped
 
 
@@ -56,6 +57,7 @@ GPU_PLAN = Plan(
         "--batch-size", "8", "--new-tokens", "64", "--repeats", "2",
     ],
     decode_timeout_s=120,
+    paged_kernel_timeout_s=90,
     budget_s=465,
 )
 
@@ -81,6 +83,7 @@ SMOKE_PLAN = Plan(
         "--new-tokens", "4", "--repeats", "1", "--threads", "1",
     ],
     decode_timeout_s=240,
+    paged_kernel_timeout_s=240,
     budget_s=900,
 )
 

@@ -155,6 +155,8 @@ def summary(result: dict) -> str:
             lines.extend(_bench_lines(row))
         if name == "decode_bench" and "rows" in row:
             lines.extend(_decode_lines(row))
+        if name == "paged_kernel" and "exact" in row:
+            lines.extend(_paged_kernel_lines(row))
         if name == "megatron_lm" and "runs" in row:
             lines.extend(f"  {run:<14} {r}" for run, r in row["runs"].items())
     if result.get("skipped"):
@@ -184,6 +186,40 @@ def _decode_lines(row: dict) -> List[str]:
         for variant, r in variants.items():
             lines.append(f"  {context:>8} {variant:>9} {r['kv_bytes_vs_base']:>7.3f}x "
                          f"{r['decode_tokens_per_s']:>10.1f} {r['speed_vs_base']:>7.3f}x")
+    return lines
+
+
+def summarize_paged_kernel(result: dict) -> dict:
+    """`acceptance/paged_kernel.py`'s record: per dtype and form the largest kernel and torch
+    errors from the fp64 truth; the timings as they are."""
+    exact = {}
+    for dtype, forms in result["exact"].items():
+        exact[dtype] = {form: {"kernel_error": max(row["kernel_error"].values()),
+                               "torch_error": max(row["torch_error"].values()), "ok": row["ok"]}
+                        for form, row in forms.items() if isinstance(row, dict) and "ok" in row}
+    return {"device": result["device"], "shape": result["shape"], "exact": exact,
+            "timing": result["timing"], "decode": result["decode"], "prefill": result["prefill"]}
+
+
+def _paged_kernel_lines(row: dict) -> List[str]:
+    s = row["shape"]
+    lines = [f"  {row['device']}: {s['heads']} query heads, {s['groups']} K/V groups, "
+             f"{s['components']} components of {s['head_dim']}, blocks of {s['block']}"
+             + (" (Triton's interpreter: the timings mean nothing)"
+                if row["device"] == "cpu" else "")]
+    for dtype, forms in row["exact"].items():
+        for form, r in forms.items():
+            lines.append(f"  exact {dtype:<9} {form:<9} kernel {r['kernel_error']:.2e}, torch "
+                         f"{r['torch_error']:.2e} from fp64{'' if r['ok'] else '  <- too far'}")
+    timing = row["timing"]
+    lines.append(f"  {timing['dtype']}, ms: MEA kernel / original (same kernel) / original SDPA"
+                 f"; MEA over each")
+    for kind, batch in (("decode", timing["decode_batch"]), ("prefill", timing["prefill_batch"])):
+        for context, r in row[kind].items():
+            lines.append(f"  {kind} {batch} x {context:>5}: {r['mea_kernel_ms']:.3f} / "
+                         f"{r['original_kernel_ms']:.3f} / {r['original_sdpa_ms']:.3f} ms; "
+                         f"{r['vs_original_kernel']:.2f}x, {r['vs_original_sdpa']:.2f}x "
+                         f"({r['sdpa']})")
     return lines
 
 

@@ -1,5 +1,5 @@
-"""The acceptance steps: environment, the GPU test tier, training, the decode benchmark,
-Megatron-LM's own loop, the layer benchmark.
+"""The acceptance steps: environment, the GPU test tier, training, the decode benchmark, the
+serving kernel, Megatron-LM's own loop, the layer benchmark.
 
 Every step but the first runs in subprocesses of its own, under the run's time budget, with its
 output teed to a log under the output folder; `acceptance.json` is rewritten after each step.
@@ -23,6 +23,7 @@ from megatron_mea.acceptance.report import (
     junit_counts,
     summarize_bench,
     summarize_decode,
+    summarize_paged_kernel,
     summarize_run,
     summary,
     why,
@@ -67,13 +68,16 @@ class Runner:
         """Seconds left of the run's budget."""
         return self.plan.budget_s - (time.perf_counter() - self.started)
 
-    def subprocess(self, argv: List[str], log_name: str, timeout: float) -> dict:
-        """Run `argv` from the repository root, its output teed to `log_name` under out."""
+    def subprocess(self, argv: List[str], log_name: str, timeout: float,
+                   extra_env: Optional[dict] = None) -> dict:
+        """Run `argv` from the repository root, its output teed to `log_name` under out, with
+        `extra_env` added to the environment."""
         log_path = os.path.join(self.out, log_name)
         # Each step is a world of its own: an inherited rendezvous (MASTER_PORT of a caller that
         # is itself a distributed process, such as a test session) would already be taken.
         env = {key: value for key, value in os.environ.items() if key not in _RENDEZVOUS}
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(extra_env or {})
         root = repo_root()
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         start = time.perf_counter()
@@ -169,9 +173,9 @@ class Runner:
         """Step 3: the runs of `TRAIN_VARIANTS` in one worker process (after an unreported
         warm-up run); each must have finite, falling losses and no skipped step."""
         runs, notes = self._training_runs()
-        # What the later steps need (decode ~45 s, Megatron-LM ~60 s, layer bench ~90 s on a GPU)
-        # stays in the budget; the three runs share the rest.
-        seconds = min(self.plan.train_seconds, max(5.0, (self.remaining() - 200) / 3 - 15))
+        # What the later steps need (decode ~45 s, the serving kernel ~45 s, Megatron-LM ~60 s,
+        # layer bench ~90 s on a GPU) stays in the budget; the three runs share the rest.
+        seconds = min(self.plan.train_seconds, max(5.0, (self.remaining() - 245) / 3 - 15))
         out = os.path.join(self.out, "training_raw.json")
         spec = os.path.join(self.out, "training_spec.json")
         with open(spec, "w", encoding="utf-8") as handle:
@@ -261,6 +265,27 @@ class Runner:
         with open(path, encoding="utf-8") as handle:
             table = summarize_decode(json.load(handle))
         return {"ok": bool(table["rows"]), **table, **failure(run, True)}
+
+    def paged_kernel(self) -> dict:
+        """Step: the Triton kernel of MEA's scaled-components cache in vLLM, driven directly
+        (`acceptance/paged_kernel.py`): exact against the composite-head attention in fp32 and
+        bf16, timed against the original's layout (the same kernel, SDPA). In the CPU smoke it
+        runs tiny under Triton's interpreter; where triton does not import it is not available
+        (decides nothing, named in the summary)."""
+        path = os.path.join(self.out, "paged_kernel.json")
+        argv = [sys.executable, "-m", "megatron_mea.acceptance.paged_kernel", "--json", path]
+        smoke = self.plan.mode != "gpu"
+        run = self.subprocess(argv + (["--smoke"] if smoke else []), "paged_kernel.log",
+                              min(self.plan.paged_kernel_timeout_s, self.remaining() - 5),
+                              extra_env={"TRITON_INTERPRET": "1"} if smoke else None)
+        if not os.path.exists(path):
+            return {"ok": False, **failure(run, False)}
+        with open(path, encoding="utf-8") as handle:
+            result = json.load(handle)
+        if result.get("not_available"):
+            return {"ok": None, "not_available": result["not_available"], **failure(run, True)}
+        ok = run["returncode"] == 0 and bool(result.get("ok"))
+        return {"ok": ok, **summarize_paged_kernel(result), **failure(run, ok)}
 
     def megatron_lm(self) -> dict:
         """Step: Megatron-LM's own `pretrain_gpt.py`, a few bf16 steps with MEA and KHA, from

@@ -11,6 +11,9 @@ On a machine with one CUDA GPU (bootstrap with `scripts/gpu_acceptance.sh`, see 
    that the loss falls; reports tokens/s, peak memory and MFU;
 4. the decode benchmark (`mea-bench-decode`) in bf16 at contexts 2048 and 8192: decode tokens/s
    and KV-cache bytes of MEA (nc = ng and ng/2) and KHA against the baseline;
+4b. the serving kernel (`megatron_mea.acceptance.paged_kernel`): the Triton kernel of MEA's
+   scaled-components cache in vLLM, exact against the composite heads in fp32 and bf16, and
+   timed against the original's layout (the same kernel, SDPA) in decode and prefill;
 5. Megatron-LM's own `pretrain_gpt.py` for a few bf16 steps with MEA and KHA, where the checkout
    carries Megatron-LM's training package (otherwise reported as not available);
 6. the layer benchmark (`mea-bench-attention`) in bf16 at hidden 2048 (16/4 heads) and 4096
@@ -82,8 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="every step at tiny sizes on the CPU (no GPU needed)")
     parser.add_argument("--skip", nargs="+", default=[],
-                        choices=["gpu_tests", "training", "decode_bench", "megatron_lm",
-                                 "layer_bench"],
+                        choices=["gpu_tests", "training", "decode_bench", "paged_kernel",
+                                 "megatron_lm", "layer_bench"],
                         help="steps to leave out")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's dense bf16 peak for MFU (default: from its name)")
@@ -140,6 +143,7 @@ def main(argv=None) -> int:
         runner.step("environment", runner.environment, 0)
         steps = [("gpu_tests", runner.gpu_tests, 30), ("training", runner.training, 60),
                  ("decode_bench", runner.decode_bench, 30),
+                 ("paged_kernel", runner.paged_kernel, 20),
                  ("megatron_lm", runner.megatron_lm, 40),
                  ("layer_bench", runner.layer_bench, 30)]
         for name, function, minimum in steps:

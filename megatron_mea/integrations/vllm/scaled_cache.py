@@ -5,7 +5,7 @@ With an RMS k norm a composite key is `r_g * RoPE(w * sum_c A_k[c, g] k_c)`: the
 `q_h . k_g` inside the softmax (`ops/decode.py` has the identity). No stock kernel takes a
 per-key, per-head-group logit factor, so these layers get a backend of their own that keeps
 vLLM's paged cache (KV-cache spec, block tables, slot mapping, chunked prefill, prefix caching
-all stock) and computes the attention in torch from it.
+all stock) and computes the attention from it: a Triton kernel on CUDA, torch elsewhere.
 
 Layout: one K/V "head" per token whose key row holds the `nc` RoPE'd components `RoPE(w * k_c)`
 followed by the `ng_loc` scales `r_g` of this rank's composite keys, and whose value row holds
@@ -16,16 +16,22 @@ head_size_v=nc*hn, num_kv_heads=1)` gives vLLM's stock `FullAttentionSpec`, so e
 The layer hands the attention its RoPE'd queries `q_h` in the first `hn` of each head's
 `nc*hn + ng_loc` (the rest is not read) and its head mix (`head_mix`, `first_group`, through
 `Attention`'s extra arguments); the attention writes the composite-head output `o_h` into the
-first `hn` of each head's `nc*hn` output. The batch is ordered decodes first
-(`reorder_batch_threshold = 1`):
-- decode tokens (requests with one new token) read the cache rows with the mixed queries
-  `q~_h = [A_k[0, g] q_h ... A_k[nc-1, g] q_h]`, batched over the requests and blockwise over
-  their block tables (`paged_decode`), and their per-component outputs are mixed with `A_v`;
+first `hn` of each head's `nc*hn` output.
+
+On CUDA every token goes through a paged Triton kernel over the cache in place
+(`triton_attention.scale_group_attention`: vLLM's `unified_attention` with a logit scale per
+group of query heads, `megatron_mea.ops.paged_attention`) with the mixed queries
+`q~_h = [A_k[0, g] q_h ... A_k[nc-1, g] q_h]`, its per-component outputs mixed with `A_v`; the
+builder gives its metadata, and vLLM may capture it in CUDA graphs. On the CPU (any other
+device) the batch is ordered decodes first (`reorder_batch_threshold = 1`):
+- decode tokens (requests with one new token) read the cache rows with the mixed queries,
+  batched over the requests and blockwise over their block tables (`paged_decode`), and their
+  per-component outputs are mixed with `A_v`;
 - prefill tokens (requests with more new tokens) attend over their requests' composite heads
   rebuilt from the rows (`prefill`: the new tokens' own rows for a first prefill, the rows
   read through the block table after cached ones) through vLLM's C++ attention at head dim
   `hn`, the original model's cost.
-Both exact, and the CPU path.
+All exact.
 
 Shape legend: `T` tokens of the batch, `np` query heads of this rank, `ng` this rank's composite
 keys (scales per token), `C` a cache row (`nc*hn + ng` key entries, then `nc*hn` values), `S`
@@ -33,10 +39,13 @@ positions a request has cached, `s` its new tokens, `bs` tokens per block.
 """
 
 import dataclasses
+from typing import ClassVar, Optional
 
 import torch
+from vllm.config import CUDAGraphMode
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadataBuilder,
     AttentionType,
@@ -44,6 +53,7 @@ from vllm.v1.attention.backend import (
     MultipleOf,
 )
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.backends.utils import get_num_attention_heads_from_layers
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
 from megatron_mea.integrations.vllm.paged_decode import paged_decode
@@ -70,37 +80,84 @@ class ScaledComponentsMetadata:
         slot_mapping: `[T]` cache slot of each new token (`block * bs + offset`; -1 = padding).
         num_decodes: the first `num_decodes` requests have one new token each (decodes; the
             batch is ordered decodes first), the others are prefill chunks.
+        query_start_loc, seq_lens_tensor, max_query_len, max_seq_len: the bounds as device
+            tensors (`[R + 1]`, `[R]` int32) and their maxima, for the Triton kernel (CUDA).
+        split: the kernel's split-KV scratch for decode steps (CUDA), or None.
+    On CUDA `seq_lens` is None (reading it would wait for the device; the kernel does not).
     """
 
     num_actual_tokens: int
-    query_starts: list
-    seq_lens: list
+    query_starts: Optional[list]
+    seq_lens: Optional[list]
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
     num_decodes: int = 0
+    query_start_loc: Optional[torch.Tensor] = None
+    seq_lens_tensor: Optional[torch.Tensor] = None
+    max_query_len: int = 0
+    max_seq_len: int = 0
+    split: Optional[object] = None  # ops.paged_attention.SplitBuffers
 
 
 class ScaledComponentsMetadataBuilder(AttentionMetadataBuilder[ScaledComponentsMetadata]):
     """Builds `ScaledComponentsMetadata` from vLLM's common metadata of a batch, and has vLLM
-    order each batch decodes first."""
+    order each batch decodes first (the CPU path's split; the kernel takes any order).
 
+    CUDA graphs as vLLM's Triton backend (`TritonAttentionMetadataBuilder`): on CUDA the kernel
+    reads only the engine's persistent tensors and this builder's split-KV scratch, so any batch,
+    prefill and decode mixed, may be captured; the split-KV form serves decode steps of up to
+    `split.max_seqs` requests, matched to a capture size so that each graph keeps one form. The
+    torch path runs on the CPU, where vLLM captures no graphs.
+    """
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.ALWAYS
     reorder_batch_threshold = 1
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.split = None
+        if torch.device(device).type == "cuda":
+            from megatron_mea.ops.paged_attention import MIN_LAUNCH_GRID_SIZE_2D, SplitBuffers
+
+            # One K/V head: below this many requests a decode step splits each over segments.
+            max_seqs = MIN_LAUNCH_GRID_SIZE_2D
+            compilation = vllm_config.compilation_config
+            if compilation.cudagraph_mode in (CUDAGraphMode.FULL_AND_PIECEWISE,
+                                              CUDAGraphMode.FULL_DECODE_ONLY,
+                                              CUDAGraphMode.FULL):
+                max_seqs = min(compilation.cudagraph_capture_sizes,
+                               key=lambda size: abs(size - max_seqs))
+            heads = (get_num_attention_heads_from_layers(vllm_config, layer_names)
+                     or vllm_config.model_config.get_num_attention_heads(
+                         vllm_config.parallel_config))
+            self.split = SplitBuffers.allocate(max_seqs, heads, kv_cache_spec.head_size_v,
+                                               device)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ScaledComponentsMetadata:
         common = common_attn_metadata
+        on_cuda = self.split is not None
         query_starts = common.query_start_loc_cpu[:common.num_reqs + 1].tolist()
         return ScaledComponentsMetadata(
             num_actual_tokens=common.num_actual_tokens,
             query_starts=query_starts,
-            seq_lens=common.seq_lens[:common.num_reqs].tolist(),
+            seq_lens=None if on_cuda else common.seq_lens[:common.num_reqs].tolist(),
             block_table=common.block_table_tensor,
             slot_mapping=common.slot_mapping,
             num_decodes=leading_decodes(query_starts),
+            query_start_loc=common.query_start_loc,
+            seq_lens_tensor=common.seq_lens,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            split=self.split,
         )
+
+    def build_for_cudagraph_capture(self, common_attn_metadata: CommonAttentionMetadata):
+        """As vLLM's Triton backend: captured with one cached position per request (a capture
+        at the model's length would be slow), the lengths being read at replay."""
+        meta = self.build(0, common_attn_metadata)
+        meta.seq_lens_tensor.fill_(1)
+        return meta
 
 
 class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
@@ -144,9 +201,15 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
         `kv_cache [blocks, 1, bs, C]` at `slot_mapping [T]`."""
         block_size = kv_cache.shape[2]
         slots = slot_mapping[: key.shape[0]]
-        kept = slots >= 0
         rows = torch.cat([key[: slots.shape[0], 0], value[: slots.shape[0], 0]], dim=-1)
-        slots, rows = slots[kept], rows[kept]
+        if kv_cache.is_cuda:
+            # No boolean indexing (it waits for the device and cannot be captured in a CUDA
+            # graph): padding (-1) writes into block 0, vLLM's null block, which no request
+            # holds and no read reaches.
+            slots = slots.clamp(min=0)
+        else:
+            kept = slots >= 0
+            slots, rows = slots[kept], rows[kept]
         kv_cache[slots // block_size, 0, slots % block_size] = rows.to(kv_cache.dtype)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -159,6 +222,8 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
                                       "quantization")
         if attn_metadata is None:  # the engine's warm-up and profiling runs
             return output
+        if query.is_cuda:
+            return self.forward_triton(query, kv_cache, attn_metadata, output)
         meta, hn, mix = attn_metadata, self.head_dim, self.mix()
         decodes = meta.num_decodes  # one token each, the batch's first tokens
         if decodes:
@@ -178,6 +243,18 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
             starts = [start - first for _, start, _, _ in prefills] + [last - first]
             output[first:last, :, :hn] = attend_prefills(query[first:last, :, :hn], requests,
                                                          starts, mix, self.scale)
+        return output
+
+    def forward_triton(self, query, kv_cache, meta, output):
+        """`forward` on CUDA, every token through the Triton kernel (module docstring); on CPU
+        tensors under Triton's interpreter too (the tests)."""
+        from megatron_mea.integrations.vllm.triton_attention import scale_group_attention
+
+        hn, mix = self.head_dim, self.mix()
+        rows = query.new_zeros(query.shape[0], self.num_heads, self.key_width)
+        scale_group_attention(mix.mix_queries(query[:, :, :hn]), kv_cache, rows, meta,
+                              self.key_width, self.head_size, self.scale)
+        output[:, :, :hn] = mix.mix_outputs(rows)
         return output
 
     def _components(self, key, value, kv_cache, meta, request, start, end, length):
