@@ -6,20 +6,28 @@ split -> KHA -> q/k norm, MEA mixing -> k norm -> RoPE -> attention -> head norm
 KV cache, per layer and token:
 - KHA, MEA with `nc == ng`: the `ng` composite K/V heads, as the stock model caches.
 - MEA with virtual heads (`nc < ng`) and no k norm: the `nc` component heads, packed as one
-  K/V head of size `nc*hn` (the component trick). The mix is linear and RoPE acts alike on
-  every head, so `q_h . k_g = sum_c A_k[c, g] (q_h . K_c) = q'_h . [K_0 ... K_nc-1]` with the
-  query `q'_h = [A_k[0, g] q_h ... A_k[nc-1, g] q_h]`, and the output is
-  `sum_c A_v[c, g] (p_h @ V_c)`: vLLM's stock attention over a single K/V head of size
-  `nc*hn` (multi-query), scale `hn**-0.5`. The cache holds `nc/ng` of the baseline's bytes.
-  `nc*hn` must be a head size of the attention backend (32-256 on CPU, up to 256 for
-  FlashAttention).
+  K/V head of size `nc*hn`. The mix is linear and RoPE acts alike on every head, so
+  `q_h . k_g = sum_c A_k[c, g] (q_h . K_c) = q~_h . [K_0 ... K_nc-1]` with the mixed query
+  `q~_h = [A_k[0, g] q_h ... A_k[nc-1, g] q_h]`, and the output is `sum_c A_v[c, g] (p_h @ V_c)`
+  (the query-side trick). On CPU the cache is read by a backend of the plugin's
+  (`components_cpu`, on vLLM's CPU cache and kernel): decode tokens by the trick (half the
+  bytes of the original's cache), prefill chunks over the composite heads rebuilt from the
+  components (`prefill`: the original's FLOPs, where the trick costs `nc` times them). On other
+  devices vLLM's stock attention takes the trick for every token (one K/V head of size `nc*hn`
+  multi-query, scale `hn**-0.5`; `nc*hn` up to 256 for FlashAttention). The cache holds `nc/ng`
+  of the baseline's bytes.
 - MEA with virtual heads and the k norm before the mix (`mea_key_norm_before_mix`): the
   component cache, over the normed components.
 - MEA with virtual heads and an RMS k norm after the mix (Qwen3 families): the norm is `w`
   (channels) times one inverse RMS `r_g` per composite key and token, inside the softmax:
-  `q_h . k_g = r_g q'_h . [K_0 ... K_nc-1]` with `K_c = RoPE(w * k_c)`. The cache holds the
+  `q_h . k_g = r_g q~_h . [K_0 ... K_nc-1]` with `K_c = RoPE(w * k_c)`. The cache holds the
   components and the `ng` scales per token, and the attention is `scaled_cache`'s (a backend of
-  its own over vLLM's paged cache): `(2*nc*hn + ng) / (2*ng*hn)` of the baseline's bytes.
+  its own over vLLM's paged cache; decode batched and blockwise, `paged_decode`; prefill over
+  the rebuilt composites, `prefill`): `(2*nc*hn + ng) / (2*ng*hn)` of the baseline's bytes.
+
+The plugin's backends take the plain RoPE'd queries `q_h` (padded to the row width) and the
+layer's head mix (`Attention`'s extra arguments), and return the composite heads' outputs
+`o_h` (in the first `hn` of each head's output row).
 
 Which of the three is cached is `ops.decode.CacheKind.choose`, as in Megatron's decoder.
 
@@ -46,6 +54,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.platforms import current_platform
 
 from megatron_mea.hf.modeling_megatron_mea import before_mix
 from megatron_mea.ops.decode import CacheKind, inverse_rms
@@ -211,20 +220,36 @@ class VariantAttention(nn.Module):
 
     def _cache_attention(self, cache_config, quant_config, prefix):
         """vLLM's `Attention` over this layer's cache (module docstring): composite heads, one
-        head of `nc*hn` components, or that head with the `ng_loc` scales after its keys."""
+        head of `nc*hn` components, or that head with the `ng_loc` scales after its keys. The
+        component layouts' own backends (on CPU for the plain one) take the plain queries and
+        this layer's head mix, and return the composite heads' outputs."""
         hn, width = self.head_dim, self.num_components * self.head_dim
         shared = dict(cache_config=cache_config, quant_config=quant_config, prefix=prefix)
+        mixing = dict(head_dim=hn, head_mix=self.head_mix, first_group=self.first_group)
         if self.cache_kind is CacheKind.COMPOSITES:
             return Attention(self.num_local_heads, hn, hn**-0.5,
                              num_kv_heads=self.num_local_groups, **shared)
         if self.cache_kind is CacheKind.COMPONENTS:
-            return Attention(self.num_local_heads, width, hn**-0.5, num_kv_heads=1, **shared)
+            if not current_platform.is_cpu():  # the stock backend, the query-side trick
+                return Attention(self.num_local_heads, width, hn**-0.5, num_kv_heads=1,
+                                 **shared)
+            from megatron_mea.integrations.vllm.components_cpu import ComponentsCPUBackend
+
+            return Attention(self.num_local_heads, width, hn**-0.5, num_kv_heads=1,
+                             attn_backend=ComponentsCPUBackend,
+                             num_groups=self.num_local_groups, **mixing, **shared)
         from megatron_mea.integrations.vllm.scaled_cache import ScaledComponentsBackend
 
         return Attention(self.num_local_heads, width + self.num_local_groups, hn**-0.5,
                          num_kv_heads=1, head_size_v=width,
                          attn_backend=ScaledComponentsBackend,
-                         num_scales=self.num_local_groups, **shared)
+                         num_scales=self.num_local_groups, **mixing, **shared)
+
+    @property
+    def backend_mixes(self) -> bool:
+        """Whether the attention backend takes the plain queries and mixes (component layouts
+        with a backend of the plugin's), rather than the layer the query-side trick."""
+        return self.attn.attn_backend.get_name() in ("MEA_SCALED_COMPONENTS", "MEA_COMPONENTS_CPU")
 
     def forward(self, positions, hidden_states):
         """`hidden_states [T, h]` -> `[T, h]`."""
@@ -274,8 +299,10 @@ class VariantAttention(nn.Module):
         return output.view(query.shape[0], self.num_local_heads, self.head_dim)
 
     def _attend_components(self, positions, query, key, value):
-        """The component trick (module docstring): one cached K/V head of size `nc*hn`, with
-        the scales `r_g` of this rank's composite keys after the keys (`SCALED_COMPONENTS`)."""
+        """One cached K/V head of size `nc*hn`, with the scales `r_g` of this rank's composite
+        keys after the keys (`SCALED_COMPONENTS`). The plugin's backends take the plain queries
+        (padded to the key row's width) and return `o_h`; vLLM's stock one on other devices
+        takes the query-side trick (module docstring)."""
         tokens, hn = query.shape[0], self.head_dim
         scaled = self.cache_kind is CacheKind.SCALED_COMPONENTS
         if scaled:
@@ -284,13 +311,16 @@ class VariantAttention(nn.Module):
             scales = inverse_rms(mixed, self.k_norm.variance_epsilon).to(key.dtype)  # [T, ng]
             key = key * self.k_norm.weight
         query, key = self._rope(positions, query, key)
+        if scaled:
+            key = torch.cat([key, scales], dim=-1)
+        query = query.view(tokens, self.num_local_heads, hn)
+        if self.backend_mixes:  # the pad is not read
+            query = nn.functional.pad(query, (0, self.attn.head_size - hn))
+            output = self.attn(query.reshape(tokens, -1), key, value.reshape(tokens, -1))
+            return output.view(tokens, self.num_local_heads, -1)[:, :, :hn]
         key_mix = self.head_mix.key_weight[:, self.local_group].t()  # [np_local, nc]
         value_mix = self.head_mix.value_weight[:, self.local_group].t()
         query = query.view(tokens, self.num_local_heads, 1, hn) * key_mix[None, :, :, None]
-        query = query.reshape(tokens, self.num_local_heads, -1)
-        if scaled:  # the query padded to the key row's width (the pad is not read)
-            query = nn.functional.pad(query, (0, self.num_local_groups))
-            key = torch.cat([key, scales], dim=-1)
         output = self.attn(query.reshape(tokens, -1), key, value.reshape(tokens, -1))
         output = output.view(tokens, self.num_local_heads, self.num_components, hn)
         return torch.einsum("thcd,hc->thd", output, value_mix)

@@ -11,15 +11,21 @@ Layout: one K/V "head" per token whose key row holds the `nc` RoPE'd components 
 followed by the `ng_loc` scales `r_g` of this rank's composite keys, and whose value row holds
 the `nc` component values. `Attention(num_heads=np_loc, head_size=nc*hn + ng_loc,
 head_size_v=nc*hn, num_kv_heads=1)` gives vLLM's stock `FullAttentionSpec`, so each layer costs
-`2*nc*hn + ng_loc` values per token against the baseline's `2*ng*hn`. The query handed to the
-layer is the mixed query `q~_h = [A_k[0, g] q_h ... A_k[nc-1, g] q_h]` padded to the key row's
-width (the pad is never read); the output is `p_h @ [V_0 ... V_nc-1]`, which the model mixes
-with `A_v` as for the unscaled component cache.
+`2*nc*hn + ng_loc` values per token against the baseline's `2*ng*hn`.
 
-The torch attention loops over the requests of a batch (a gather of its blocks, one GEMM for
-the scores, the softmax of `ops.decode.softmax_scores` with the scales, one GEMM for the
-values): exact, and the CPU path. A GPU run would use a paged Triton kernel with the same
-layout (docs/inference.md, "vLLM").
+The layer hands the attention its RoPE'd queries `q_h` in the first `hn` of each head's
+`nc*hn + ng_loc` (the rest is not read) and its head mix (`head_mix`, `first_group`, through
+`Attention`'s extra arguments); the attention writes the composite-head output `o_h` into the
+first `hn` of each head's `nc*hn` output. The batch is ordered decodes first
+(`reorder_batch_threshold = 1`):
+- decode tokens (requests with one new token) read the cache rows with the mixed queries
+  `q~_h = [A_k[0, g] q_h ... A_k[nc-1, g] q_h]`, batched over the requests and blockwise over
+  their block tables (`paged_decode`), and their per-component outputs are mixed with `A_v`;
+- prefill tokens (requests with more new tokens) attend over their requests' composite heads
+  rebuilt from the rows (`prefill`: the new tokens' own rows for a first prefill, the rows
+  read through the block table after cached ones) through vLLM's C++ attention at head dim
+  `hn`, the original model's cost.
+Both exact, and the CPU path.
 
 Shape legend: `T` tokens of the batch, `np` query heads of this rank, `ng` this rank's composite
 keys (scales per token), `C` a cache row (`nc*hn + ng` key entries, then `nc*hn` values), `S`
@@ -40,9 +46,19 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.kv_cache_interface import KVCacheLayout
 
-from megatron_mea.ops.decode import decode_mask, softmax_scores
+from megatron_mea.integrations.vllm.paged_decode import paged_decode
+from megatron_mea.integrations.vllm.prefill import Components, GroupMix, attend_prefills
 
 _NAME = "MEA_SCALED_COMPONENTS"
+
+
+def leading_decodes(query_starts: list) -> int:
+    """Requests with one new token at the head of a batch ordered decodes first (vLLM's
+    `reorder_batch_threshold = 1`); the rest are prefill chunks."""
+    count = 0
+    while count + 1 < len(query_starts) and query_starts[count + 1] - query_starts[count] == 1:
+        count += 1
+    return count
 
 
 @dataclasses.dataclass
@@ -56,6 +72,8 @@ class ScaledComponentsMetadata:
         seq_lens: `[R]` positions each request has cached once this step's tokens are written.
         block_table: `[R, max_blocks]` block ids of each request.
         slot_mapping: `[T]` cache slot of each new token (`block * bs + offset`; -1 = padding).
+        num_decodes: the first `num_decodes` requests have one new token each (decodes; the
+            batch is ordered decodes first), the others are prefill chunks.
     """
 
     num_actual_tokens: int
@@ -63,10 +81,14 @@ class ScaledComponentsMetadata:
     seq_lens: list
     block_table: torch.Tensor
     slot_mapping: torch.Tensor
+    num_decodes: int = 0
 
 
 class ScaledComponentsMetadataBuilder(AttentionMetadataBuilder[ScaledComponentsMetadata]):
-    """Builds `ScaledComponentsMetadata` from vLLM's common metadata of a batch."""
+    """Builds `ScaledComponentsMetadata` from vLLM's common metadata of a batch, and has vLLM
+    order each batch decodes first."""
+
+    reorder_batch_threshold = 1
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -74,23 +96,26 @@ class ScaledComponentsMetadataBuilder(AttentionMetadataBuilder[ScaledComponentsM
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> ScaledComponentsMetadata:
         common = common_attn_metadata
+        query_starts = common.query_start_loc_cpu[:common.num_reqs + 1].tolist()
         return ScaledComponentsMetadata(
             num_actual_tokens=common.num_actual_tokens,
-            query_starts=common.query_start_loc_cpu[:common.num_reqs + 1].tolist(),
+            query_starts=query_starts,
             seq_lens=common.seq_lens[:common.num_reqs].tolist(),
             block_table=common.block_table_tensor,
             slot_mapping=common.slot_mapping,
+            num_decodes=leading_decodes(query_starts),
         )
 
 
 class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
-    """Writes and reads the scaled-components rows (module docstring); `num_scales` (`ng_loc`)
-    comes through `Attention`'s extra arguments."""
+    """Writes and reads the scaled-components rows (module docstring); `num_scales` (`ng_loc`),
+    `head_dim` (`hn`), the layer's `head_mix` (`VLLMHeadMix`) and `first_group` (this rank's
+    first composite head) come through `Attention`'s extra arguments."""
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None,
                  sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
                  attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
-                 num_scales=None):
+                 num_scales=None, head_dim=None, head_mix=None, first_group=0):
         unsupported = {"num_kv_heads": (num_kv_heads, 1), "alibi_slopes": (alibi_slopes, None),
                        "sliding_window": (sliding_window, None),
                        "logits_soft_cap": (logits_soft_cap, None),
@@ -103,12 +128,20 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
                                  f"be {needed!r}")
         if not num_scales or num_heads % num_scales:
             raise ValueError(f"num_scales ({num_scales}) must divide num_heads ({num_heads})")
+        if head_mix is None or not head_dim or (head_size - num_scales) % head_dim:
+            raise ValueError(f"MEA's scaled-components attention needs the layer's head_mix and "
+                             f"a head_dim ({head_dim}) dividing {head_size - num_scales}")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads, self.kv_cache_dtype = 1, kv_cache_dtype
-        self.num_scales = num_scales
+        self.num_scales, self.head_dim = num_scales, head_dim
         self.key_width = head_size - num_scales  # nc*hn
+        self.head_mix, self.first_group = head_mix, first_group
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
+
+    def mix(self) -> GroupMix:
+        """This rank's head-mixing weights, as loaded."""
+        return GroupMix.of(self.head_mix, self.first_group, self.num_scales, self.num_heads)
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         """Write each new token's row: `key [T, 1, nc*hn + ng]`, `value [T, 1, nc*hn]` into
@@ -122,29 +155,50 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
                 output_scale=None, output_block_scale=None):
-        """`query [T, np, nc*hn + ng]` (the mixed queries, padded) -> `output [T, np, nc*hn]`:
-        each request's new tokens against every position it has cached."""
+        """`query [T, np, nc*hn + ng]` (RoPE'd `q_h` in the first `hn`) -> `output [T, np,
+        nc*hn]` (`o_h` in the first `hn`): each request's new tokens against every position it
+        has cached (module docstring)."""
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("MEA's scaled-components attention: no fused output "
                                       "quantization")
         if attn_metadata is None:  # the engine's warm-up and profiling runs
             return output
-        meta, width = attn_metadata, self.key_width
-        block_size = kv_cache.shape[2]
-        bounds = zip(meta.query_starts[:-1], meta.query_starts[1:], meta.seq_lens)
-        for request, (start, end, cached) in enumerate(bounds):
-            if end == start:
-                continue
-            blocks = meta.block_table[request, : -(-cached // block_size)]
-            rows = kv_cache[blocks, 0].reshape(-1, kv_cache.shape[-1])[:cached]  # [S, C]
-            keys, scales = rows[:, :width], rows[:, width:self.head_size]
-            values = rows[:, self.head_size:]
-            mixed = query[start:end, :, :width].transpose(0, 1)  # [np, s, nc*hn]
-            scores = torch.matmul(mixed, keys.t().to(mixed.dtype))[None]  # [1, np, s, S]
-            probs = softmax_scores(scores, self.scale, scales.t()[None],
-                                   decode_mask(end - start, cached, scores.device))
-            output[start:end] = torch.matmul(probs[0], values.to(probs.dtype)).transpose(0, 1)
+        meta, hn, mix = attn_metadata, self.head_dim, self.mix()
+        decodes = meta.num_decodes  # one token each, the batch's first tokens
+        if decodes:
+            mixed = mix.mix_queries(query[:decodes, :, :hn])
+            outputs = paged_decode(mixed, kv_cache, meta.block_table[:decodes],
+                                   meta.seq_lens[:decodes], self.num_scales, self.scale)
+            output[:decodes, :, :hn] = mix.mix_outputs(outputs)
+        bounds = zip(meta.query_starts[decodes:-1], meta.query_starts[decodes + 1:],
+                     meta.seq_lens[decodes:])
+        prefills = [(request, start, end, length)
+                    for request, (start, end, length) in enumerate(bounds, decodes)
+                    if end > start]
+        if prefills:
+            first, last = prefills[0][1], prefills[-1][2]
+            requests = [self._components(key, value, kv_cache, meta, *prefill)
+                        for prefill in prefills]
+            starts = [start - first for _, start, _, _ in prefills] + [last - first]
+            output[first:last, :, :hn] = attend_prefills(query[first:last, :, :hn], requests,
+                                                         starts, mix, self.scale)
         return output
+
+    def _components(self, key, value, kv_cache, meta, request, start, end, length):
+        """`Components` of one prefill request: its new tokens' rows for a first prefill, else
+        its `S` cached rows (this step's written already) through the block table."""
+        width, head_size = self.key_width, self.head_size
+        if end - start == length:
+            keys, values = key[start:end, 0], value[start:end, 0]
+        else:
+            block_size = kv_cache.shape[2]
+            blocks = meta.block_table[request, : -(-length // block_size)]
+            rows = kv_cache[blocks, 0].reshape(-1, kv_cache.shape[-1])[:length]
+            keys, values = rows[:, :head_size], rows[:, head_size:]
+        positions = keys.shape[0]
+        return Components(keys[:, :width].reshape(positions, -1, self.head_dim),
+                          values.reshape(positions, -1, self.head_dim),
+                          keys[:, width:head_size])
 
 
 class ScaledComponentsBackend(AttentionBackend):
