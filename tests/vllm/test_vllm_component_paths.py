@@ -25,9 +25,9 @@ from megatron_mea.integrations.vllm.scaled_cache import (
 NP, NG, NC, HN, EPS = 8, 4, 2, 32, 1e-6
 WIDTH = NC * HN
 # (cached, new) per request, decodes first as vLLM orders them. A 1-token prompt is a decode;
-# the 300-token one spans two of `paged_decode`'s tiles.
+# the 300-token one spans two of `paged_decode`'s tiles; five decodes are two of its groups.
 BATCHES = {
-    "decodes": [(12, 1), (0, 1), (40, 1), (299, 1)],
+    "decodes": [(12, 1), (0, 1), (40, 1), (299, 1), (5, 1)],
     "prefills": [(0, 9), (6, 5), (17, 20)],
     "mixed": [(12, 1), (30, 1), (0, 9), (6, 5), (33, 3)],
 }
