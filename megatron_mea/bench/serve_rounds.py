@@ -194,11 +194,14 @@ def run_round(server, prompts, max_tokens, sample_every_s=0.5):
     sampler = threading.Thread(target=sample, daemon=True)
     start = time.perf_counter()
     sampler.start()
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    pool = ThreadPoolExecutor(len(prompts))
+    try:
         output_tokens = sum(pool.map(lambda p: server.complete(p, max_tokens), prompts))
-    wall = time.perf_counter() - start
-    cpu = server.cpu_seconds() - cpu_before
-    done.set()
+        wall = time.perf_counter() - start
+        cpu = server.cpu_seconds() - cpu_before
+    finally:  # on Ctrl-C: no wait for the answers (the caller stops the server)
+        pool.shutdown(wait=False, cancel_futures=True)
+        done.set()
     sampler.join()
     after, _ = server.metrics()
     return dict(wall_s=wall, cpu_s=cpu, output_tokens=output_tokens,
