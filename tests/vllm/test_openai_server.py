@@ -94,20 +94,22 @@ def test_chat_over_http_is_the_hugging_face_greedy_tokens(servers, name):
 def test_a_bench_serve_round_counts_the_served_requests(servers):
     """`mea-bench-serve`'s measurements on a real server: its pool holds twice the original's
     tokens (the original's per-token bytes, MEA nc = ng/2 half of them), and a round of 4
-    concurrent requests generates 4 x 8 tokens by the answers and by `/metrics`, in at least
-    8 engine steps, with at most 4 running, on the server's CPU time."""
+    concurrent requests generates 4 x 32 tokens by the answers and by `/metrics`, in at least
+    32 engine steps, with at most 4 running, on the server's CPU time. (Running requests are
+    sampled from `/metrics`: the rounds are long enough, and sampled often enough, that the
+    samples see them; an 8-token round on an idle machine ended before the first sample.)"""
     server = servers["llama-mea-nc2"]
     block = serve_exports.BLOCK_SIZE
     original_blocks = POOL_BYTES // (block * serve_exports.kv_bytes_per_token(baseline_config()))
     assert server.kv_tokens() == 2 * original_blocks * block
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 128) for _ in range(48)] for _ in range(4)]
-    rounds = [run_round(server, prompts, 8) for _ in range(2)]
+    rounds = [run_round(server, prompts, 32, sample_every_s=0.02) for _ in range(2)]
     for measured in rounds:
-        assert measured["output_tokens"] == measured["generated_tokens"] == 4 * 8
-        assert 8 <= measured["engine_steps"] <= 4 * 8 + 4
+        assert measured["output_tokens"] == measured["generated_tokens"] == 4 * 32
+        assert 32 <= measured["engine_steps"] <= 4 * 32 + 4
         assert 1 <= measured["running_max"] <= 4 and measured["cpu_s"] > 0
-        assert measured["tokens_per_cpu_s"] == 32 / measured["cpu_s"]
+        assert measured["tokens_per_cpu_s"] == 128 / measured["cpu_s"]
     # The report of these two rounds, the first as if it were the original's.
     case = serve_report.compare(dict(name="tiny", exports=dict(
         original=dict(kv_tokens=original_blocks * block, rounds=rounds[:1]),
