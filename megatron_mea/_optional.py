@@ -61,6 +61,9 @@ EXTRA_OF = {
     "transformers": "hf",
     "safetensors": "hf",
     "lm_eval": "eval",
+    # Triton comes with CUDA builds of torch and with vLLM; the paged kernel serves vLLM.
+    "triton": "vllm",
+    "triton.language": "vllm",
 }
 
 

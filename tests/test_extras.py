@@ -23,7 +23,8 @@ HIDDEN = ("tqdm", "tensorboard", "matplotlib", "pynvml", "nvidia_ml_py", "transf
 # Face models and conversions, the vLLM plugin.
 APPLICATIONS = tuple(f"megatron_mea.{layer}" for layer in (
     "training", "cli", "bench", "acceptance", "evaluation"))
-NEED_AN_EXTRA = ("megatron_mea.hf", "megatron_mea.checkpoint.hf.", "megatron_mea.integrations.vllm")
+NEED_AN_EXTRA = ("megatron_mea.hf", "megatron_mea.checkpoint.hf.", "megatron_mea.integrations.vllm",
+                 "megatron_mea.ops.paged_attention")  # Triton: CUDA torch builds and vLLM bring it
 
 SCRIPT = """
 import importlib, json, sys

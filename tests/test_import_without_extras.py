@@ -50,6 +50,12 @@ NEED_THEIR_HOST = {
     "megatron_mea.integrations.vllm.attention": "vllm",
     "megatron_mea.integrations.vllm.models": "vllm",
     "megatron_mea.integrations.vllm.scaled_cache": "vllm",
+    "megatron_mea.integrations.vllm.components_cpu": "vllm",
+    "megatron_mea.integrations.vllm.paged_decode": "vllm",
+    "megatron_mea.integrations.vllm.prefill": "vllm",
+    "megatron_mea.integrations.vllm.triton_attention": "vllm",
+    # The paged Triton kernel: Triton comes with CUDA builds of torch and with vLLM.
+    "megatron_mea.ops.paged_attention": "vllm",
 }
 
 SCRIPT = r"""

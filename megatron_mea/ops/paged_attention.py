@@ -39,8 +39,12 @@ import dataclasses
 from typing import Optional
 
 import torch
-import triton
-import triton.language as tl
+
+from megatron_mea._optional import import_extra
+
+_FEATURE = "megatron_mea.ops.paged_attention (the paged Triton kernel)"
+triton = import_extra("triton", _FEATURE)
+tl = import_extra("triton.language", _FEATURE)
 
 
 @triton.jit

@@ -115,5 +115,5 @@ def test_a_bench_serve_round_counts_the_served_requests(servers):
         original=dict(kv_tokens=original_blocks * block, rounds=rounds[:1]),
         mea=dict(kv_tokens=server.kv_tokens(), rounds=rounds[1:]))))
     assert case["ratios"]["kv_tokens"] == 2.0
-    assert case["exports"]["mea"]["summary"]["output_tokens"] == 32
+    assert case["exports"]["mea"]["summary"]["output_tokens"] == 4 * 32
     assert len(serve_report.table([case])) == 4
