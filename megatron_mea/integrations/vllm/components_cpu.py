@@ -44,6 +44,7 @@ from megatron_mea.integrations.vllm.prefill import (
     GroupMix,
     attend_prefills,
     leading_decodes,
+    refuse_unsupported,
 )
 
 _NAME = "MEA_COMPONENTS_CPU"
@@ -111,16 +112,9 @@ class ComponentsImpl(AttentionImpl[ComponentsMetadata]):
                  sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
                  attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  head_dim=None, head_mix=None, first_group=0, num_groups=None):
-        unsupported = {"num_kv_heads": (num_kv_heads, 1), "alibi_slopes": (alibi_slopes, None),
-                       "sliding_window": (sliding_window, None),
-                       "logits_soft_cap": (logits_soft_cap, None),
-                       "kv_sharing_target_layer_name": (kv_sharing_target_layer_name, None),
-                       "attn_type": (attn_type, AttentionType.DECODER),
-                       "kv_cache_dtype": (kv_cache_dtype, "auto")}
-        for name, (value, needed) in unsupported.items():
-            if value != needed:
-                raise ValueError(f"MEA's component-cache attention: {name} ({value!r}) must "
-                                 f"be {needed!r}")
+        refuse_unsupported("component-cache", num_kv_heads, alibi_slopes, sliding_window,
+                           logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                           kv_cache_dtype)
         if head_mix is None or not head_dim or head_size % head_dim or not num_groups:
             raise ValueError(f"MEA's component-cache attention needs the layer's head_mix, "
                              f"num_groups and a head_dim ({head_dim}) dividing {head_size}")

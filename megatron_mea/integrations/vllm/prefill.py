@@ -31,11 +31,27 @@ import dataclasses
 from typing import Optional
 
 import torch
+from vllm.v1.attention.backend import AttentionType
 
 from megatron_mea.ops.decode import decode_mask, per_head
 
 # Tokens per block of the scratch cache of composites (a multiple of 32: vLLM's "vec" kernels).
 SCRATCH_BLOCK = 128
+
+
+def refuse_unsupported(layout: str, num_kv_heads, alibi_slopes, sliding_window, logits_soft_cap,
+                       attn_type, kv_sharing_target_layer_name, kv_cache_dtype) -> None:
+    """One `ValueError` naming the first of vLLM's attention settings that the component-cache
+    backends do not take (`layout` names the attention in the message)."""
+    unsupported = {"num_kv_heads": (num_kv_heads, 1), "alibi_slopes": (alibi_slopes, None),
+                   "sliding_window": (sliding_window, None),
+                   "logits_soft_cap": (logits_soft_cap, None),
+                   "kv_sharing_target_layer_name": (kv_sharing_target_layer_name, None),
+                   "attn_type": (attn_type, AttentionType.DECODER),
+                   "kv_cache_dtype": (kv_cache_dtype, "auto")}
+    for name, (value, needed) in unsupported.items():
+        if value != needed:
+            raise ValueError(f"MEA's {layout} attention: {name} ({value!r}) must be {needed!r}")
 
 
 def leading_decodes(query_starts: list) -> int:

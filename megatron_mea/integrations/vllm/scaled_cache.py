@@ -62,6 +62,7 @@ from megatron_mea.integrations.vllm.prefill import (
     GroupMix,
     attend_prefills,
     leading_decodes,
+    refuse_unsupported,
 )
 
 _NAME = "MEA_SCALED_COMPONENTS"
@@ -169,16 +170,9 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
                  sliding_window=None, kv_cache_dtype="auto", logits_soft_cap=None,
                  attn_type=AttentionType.DECODER, kv_sharing_target_layer_name=None,
                  num_scales=None, head_dim=None, head_mix=None, first_group=0):
-        unsupported = {"num_kv_heads": (num_kv_heads, 1), "alibi_slopes": (alibi_slopes, None),
-                       "sliding_window": (sliding_window, None),
-                       "logits_soft_cap": (logits_soft_cap, None),
-                       "kv_sharing_target_layer_name": (kv_sharing_target_layer_name, None),
-                       "attn_type": (attn_type, AttentionType.DECODER),
-                       "kv_cache_dtype": (kv_cache_dtype, "auto")}
-        for name, (value, needed) in unsupported.items():
-            if value != needed:
-                raise ValueError(f"MEA's scaled-components attention: {name} ({value!r}) must "
-                                 f"be {needed!r}")
+        refuse_unsupported("scaled-components", num_kv_heads, alibi_slopes, sliding_window,
+                           logits_soft_cap, attn_type, kv_sharing_target_layer_name,
+                           kv_cache_dtype)
         if not num_scales or num_heads % num_scales:
             raise ValueError(f"num_scales ({num_scales}) must divide num_heads ({num_heads})")
         if head_mix is None or not head_dim or (head_size - num_scales) % head_dim:
