@@ -43,12 +43,12 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def tool_logging(monkeypatch):
-    """For a test that runs a tool's `main()` in-process: the root logger's handlers and level
-    are put back after it. A tool installs its console handler on the `sys.stderr` of the
-    moment, the test's captured stream, which is closed after the test: records of later tests
-    would print `--- Logging error ---` into their own captured stderr."""
+    """For every test (a tool's `main()` run in-process among them): the root logger's handlers
+    and level are put back after it. A tool installs its console handler on the `sys.stderr` of
+    the moment, the test's captured stream, which is closed after the test: records of later
+    tests would print `--- Logging error ---` into their own captured stderr."""
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", list(root.handlers))
     monkeypatch.setattr(root, "level", root.level)
