@@ -15,10 +15,13 @@ arithmetic imports nothing beyond the standard library.
 """
 
 import argparse
+import logging
 import math
 import os
 import shutil
 import sys
+
+logger = logging.getLogger(__name__)
 
 # name: (model sizes, prompt tokens, output tokens). Attention is as wide as the model for the
 # two realistic shapes (heads * head_dim == hidden); `tiny` is the vLLM tests' export size.
@@ -113,8 +116,11 @@ def main(argv=None):
     from megatron_mea.quiet import quiet_warnings
 
     quiet_warnings()
+    # The caller (mea-bench-serve) sends this process's output to its exports log.
+    logging.basicConfig(level=logging.INFO, format="[serve_exports] %(message)s",
+                        stream=sys.stdout)
     for original, mea in make(args.root, args.shape, args.families):
-        print(f"[serve_exports] {original} {mea}", flush=True)
+        logger.info("%s %s", original, mea)
     return 0
 
 

@@ -651,14 +651,13 @@ def test_a_signal_during_set_up_ends_in_one_line_releasing_the_lock(tmp_path, na
 # ---- a wedged rank: --distributed-timeout-minutes ---------------------------------------------
 
 
-def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
-    save, timeout_minutes = str(tmp_path / "ckpt"), 0.15
-    argv = [*TINY, "--train-iters", "50", "--save", save, "--tensor-model-parallel-size", "2",
-            "--sequence-parallel", "--distributed-timeout-minutes", str(timeout_minutes)]
+def _two_ranks(command, argv):
+    """Ranks 0 and 1 of a world of two on a free port, each `python *command *argv`, their
+    console piped."""
     port = str(free_port())
-    ranks = [
+    return [
         subprocess.Popen(
-            [sys.executable, "-m", "megatron_mea.cli.pretrain", *argv], cwd=ROOT,
+            [sys.executable, *command, *argv], cwd=ROOT,
             env=standalone_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                                        OMP_NUM_THREADS="1"),
@@ -666,6 +665,13 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
         )
         for rank in (0, 1)
     ]
+
+
+def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
+    save, timeout_minutes = str(tmp_path / "ckpt"), 0.15
+    argv = [*TINY, "--train-iters", "50", "--save", save, "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--distributed-timeout-minutes", str(timeout_minutes)]
+    ranks = _two_ranks(["-m", "megatron_mea.cli.pretrain"], argv)
     try:
         deadline = time.monotonic() + 120
         while len(_metrics(save)) < 2:
@@ -714,17 +720,7 @@ def test_a_rank_that_stops_during_set_up_is_named_in_one_line(tmp_path):
     save = str(tmp_path / "ckpt")
     argv = [*TINY, "--train-iters", "2", "--save", save, "--tensor-model-parallel-size", "2",
             "--sequence-parallel", "--distributed-timeout-minutes", "0.15"]
-    port = str(free_port())
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", STOP_DURING_SET_UP, *argv], cwd=ROOT,
-            env=standalone_environment(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                       OMP_NUM_THREADS="1"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in (0, 1)
-    ]
+    ranks = _two_ranks(["-c", STOP_DURING_SET_UP], argv)
     try:
         status = ranks[0].wait(timeout=300)
         output = ranks[0].communicate()[0]
