@@ -35,10 +35,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     flags = [f for f in args.pretrain if f != "--"]
 
+    from megatron_mea.apps.training import loop
+    from megatron_mea.apps.training.arguments import parse_run
     from megatron_mea.checkpoint.torch_dist import integrity, training_state
     from megatron_mea.checkpoint.torch_dist.checks import checkpoint_dir
-    from megatron_mea.training import loop
-    from megatron_mea.training.arguments import parse_run
 
     shutil.rmtree(args.out, ignore_errors=True)
     run, config = parse_run(

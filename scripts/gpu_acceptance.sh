@@ -22,7 +22,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 WHEELS="${MEA_WHEELS:-wheels}"
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     SITE="${MEA_SITE:-/tmp/mea-site}"
-    "$PYTHON" -m megatron_mea.acceptance.install "$WHEELS" "$SITE"
+    "$PYTHON" -m megatron_mea.apps.acceptance.install "$WHEELS" "$SITE"
     export PYTHONPATH="$PWD:$SITE${PYTHONPATH#"$PWD"}" PATH="$SITE/bin:$PATH"
 else
     echo "[gpu_acceptance.sh] no wheels in $WHEELS (make gpu-wheels): using what is installed"

@@ -56,8 +56,8 @@ def main(argv=None):
     parser.add_argument("--corpus-bytes", type=int, default=4 * 2**20)
     parser.add_argument("--eval-samples", type=int, default=64)
     args = parser.parse_args(argv)
-    from megatron_mea.data.samples import load_tokens
     from megatron_mea.cpu import megatron_on_cpu
+    from megatron_mea.data.samples import load_tokens
 
     os.makedirs(args.out, exist_ok=True)
     prefix = prepare_data(args.out, args.corpus_bytes)

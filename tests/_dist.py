@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_mea.cpu import megatron_on_cpu
-from megatron_mea.rendezvous import free_port
+from megatron_mea.runtime.process_groups import free_port
 
 
 # The variables a process group reads at start-up. In-process tests set them (a world of one);
@@ -29,8 +29,8 @@ from megatron_mea.rendezvous import free_port
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 # What the fork server imports once, before it forks any rank.
-PRELOAD = ("torch", "megatron.core", "megatron_mea.cpu", "megatron_mea.gpt", "megatron_mea.specs",
-           "tests._dist")
+PRELOAD = ("torch", "megatron.core", "megatron_mea.cpu", "megatron_mea.model.gpt",
+           "megatron_mea.specs", "tests._dist")
 
 
 def standalone_environment(**extra) -> dict:

@@ -5,8 +5,8 @@ original's requests, `/metrics` parsing, and the medians and MEA / original rati
 import json
 import math
 
-from megatron_mea.bench import serve_exports, serve_report
-from megatron_mea.bench.serve_rounds import parse_metrics
+from megatron_mea.apps.bench import serve_exports, serve_report
+from megatron_mea.apps.bench.serve_rounds import parse_metrics
 
 
 def test_pool_holds_the_asked_requests_of_the_original_in_whole_blocks():

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_mea.quiet import quiet_warnings
-from megatron_mea.training.run_dir import RUN_LOG
+from megatron_mea.apps.training.run_dir import RUN_LOG
+from megatron_mea.runtime.quiet import quiet_warnings
 from tests._dist import standalone_environment
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_mea.training.sweep_runs import read_metrics
+from megatron_mea.apps.sweeps.runs import read_metrics
 from tests._dist import standalone_environment
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,9 +21,9 @@ HIDDEN = ("tqdm", "tensorboard", "matplotlib", "pynvml", "nvidia_ml_py", "transf
           "safetensors", "lm_eval", "vllm", "six")
 # Modules whose whole purpose is an extra's package (they raise, naming the extra): the Hugging
 # Face models and conversions, the vLLM plugin.
-APPLICATIONS = tuple(f"megatron_mea.{layer}" for layer in (
-    "training", "cli", "bench", "acceptance", "evaluation"))
-NEED_AN_EXTRA = ("megatron_mea.hf", "megatron_mea.checkpoint.hf.", "megatron_mea.integrations.vllm",
+APPLICATIONS = ("megatron_mea.apps", "megatron_mea.cli")
+NEED_AN_EXTRA = ("megatron_mea.integrations.transformers", "megatron_mea.checkpoint.hf.",
+                 "megatron_mea.integrations.vllm",
                  "megatron_mea.ops.paged_attention")  # Triton: CUDA torch builds and vLLM bring it
 
 SCRIPT = """

@@ -1,10 +1,10 @@
-"""`megatron_mea.files`: a file is replaced whole or not at all."""
+"""`megatron_mea.runtime.files`: a file is replaced whole or not at all."""
 
 import os
 
 import pytest
 
-from megatron_mea.files import atomic_write, no_room_cause, publish, temporary_name
+from megatron_mea.runtime.files import atomic_write, no_room_cause, publish, temporary_name
 from tests._limits import file_size_limit
 
 

@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-from megatron_mea.acceptance import environment, install, report
+from megatron_mea.apps.acceptance import environment, install, report
 from megatron_mea.cli import gpu_acceptance as acceptance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -206,7 +206,7 @@ def test_unpacking_a_wheel_installs_it_and_refuses_paths_outside(tmp_path):
 
 
 def test_pack_report_returns_at_most_four_files(tmp_path):
-    from megatron_mea.acceptance.pack import pack_report
+    from megatron_mea.apps.acceptance.pack import pack_report
 
     report = tmp_path / "report"
     report.mkdir()
@@ -230,7 +230,7 @@ def test_peak_from_the_device_name(name, peak):
 def test_training_flops_agree_with_the_layer_benchmark():
     from argparse import Namespace
 
-    from megatron_mea.bench.steps import layer_flops
+    from megatron_mea.apps.bench.steps import layer_flops
 
     bench = Namespace(hidden_size=2048, num_attention_heads=16, num_query_groups=4,
                       seq_length=4096, micro_batch_size=1, ffn_hidden_size=None)

@@ -41,9 +41,9 @@ NEED_THEIR_HOST = {
     # Subclasses of transformers' configs and causal LMs, carried into exports as remote code
     # (self-contained: no lazy door to megatron_mea._optional there), and the package that
     # registers them with transformers' Auto classes.
-    "megatron_mea.hf": "hf",
-    "megatron_mea.hf.configuration_megatron_mea": "hf",
-    "megatron_mea.hf.modeling_megatron_mea": "hf",
+    "megatron_mea.integrations.transformers": "hf",
+    "megatron_mea.integrations.transformers.configuration_megatron_mea": "hf",
+    "megatron_mea.integrations.transformers.modeling_megatron_mea": "hf",
     # The vLLM plugin: vLLM's model classes, layers and attention backend (vLLM loads it
     # through its entry point, so vLLM is there whenever it is used).
     "megatron_mea.integrations.vllm": "vllm",

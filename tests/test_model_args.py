@@ -1,4 +1,4 @@
-"""The model description is declared once (`megatron_mea.model_args`) and every consumer derives
+"""The model description is declared once (`megatron_mea.model.args`) and every consumer derives
 it: `mea-pretrain`'s arguments, the run -> config translation, the size arithmetic, the
 converters' description and the reading of Megatron-LM's saved arguments. Each test fails if a
 consumer grows its own copy of a model field or drops one."""
@@ -12,16 +12,16 @@ import pytest
 from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
 from megatron_mea.integrations.args import plugin_fields
 from megatron_mea.integrations.mlm_flags import MEGATRON_LM_TAGS, load_flags
-from megatron_mea.model_args import (
+from megatron_mea.model.args import (
     ARCHITECTURE_FIELDS,
     MODEL_FIELDS,
     ModelArgs,
     config_fields,
     declared,
 )
-from megatron_mea.model_size import ModelShape
-from megatron_mea import gpt
-from megatron_mea.training.arguments import PretrainArgs, build_parser
+from megatron_mea.apps.training.arguments import PretrainArgs, build_parser
+from megatron_mea.model import gpt
+from megatron_mea.model.size import ModelShape
 
 # A non-default value for every architecture field, valid together (a 4-layer MoE model).
 NON_DEFAULTS = dict(
@@ -88,7 +88,7 @@ def test_the_trainer_maps_no_model_field_by_hand():
 
 def test_the_resume_check_compares_the_declared_tensor_fields():
     from megatron_mea.checkpoint.torch_dist import checks as checkpoint_checks
-    from megatron_mea.model_args import TENSOR_FIELDS
+    from megatron_mea.model.args import TENSOR_FIELDS
 
     assert checkpoint_checks.MODEL_SETTINGS is TENSOR_FIELDS
     assert {"num_layers", "moe_router_enable_expert_bias"} <= set(TENSOR_FIELDS)
@@ -129,7 +129,7 @@ def test_every_model_field_is_a_megatron_lm_argument(tag):
 
 def test_sizes_left_unset_are_filled_in_one_way_by_every_consumer():
     from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
-    from megatron_mea.model_args import RunArgs, derived_sizes, gpt_model_kwargs
+    from megatron_mea.model.args import RunArgs, derived_sizes, gpt_model_kwargs
 
     unset = dict(NON_DEFAULTS, ffn_hidden_size=None, kv_channels=None, num_query_groups=None,
                  moe_ffn_hidden_size=None, max_position_embeddings=None)

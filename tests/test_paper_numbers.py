@@ -1,7 +1,7 @@
 """The papers' printed numbers, computed by this package from the papers' shapes.
 
 Each expected value below is a number the paper prints (or the paper's own formula evaluated);
-what is compared against it is computed by `megatron_mea.model_size` (the accounting behind
+what is compared against it is computed by `megatron_mea.model.size` (the accounting behind
 `mea-model-size`) or `megatron_mea.checkpoint.transforms.compress` (`mea-convert compress`), so
 a change to the counting, the FLOP terms or the SVD makes these fail.
 
@@ -21,8 +21,8 @@ from megatron_mea.checkpoint.transforms.compress import (
     select_layers,
 )
 from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
-from megatron_mea.model_args import ModelArgs, RunArgs
-from megatron_mea.model_size import (
+from megatron_mea.model.args import ModelArgs, RunArgs
+from megatron_mea.model.size import (
     ModelShape,
     attention_params,
     kv_cache_elements,

@@ -8,9 +8,9 @@ import pytest
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_mea import MEATransformerConfig
-from megatron_mea.model_size import ModelShape, model_size
-from megatron_mea.training.arguments import PretrainArgs, build_parser, parse_args
-from megatron_mea.gpt import transformer_config
+from megatron_mea.apps.training.arguments import PretrainArgs, build_parser, parse_args
+from megatron_mea.model.gpt import transformer_config
+from megatron_mea.model.size import ModelShape, model_size
 from megatron_mea.variant import (
     VARIANT_FIELDS,
     AttentionVariantFields,

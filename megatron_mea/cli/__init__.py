@@ -4,7 +4,7 @@ Every tool is `megatron_mea.cli.<name>.main(argv=None) -> int`, installed as `me
 `[project.scripts]` in pyproject.toml) and also runnable as `python -m megatron_mea.cli.<name>`.
 """
 
-from megatron_mea.quiet import quiet_warnings
+from megatron_mea.runtime.quiet import quiet_warnings
 
 # Importing this package is the first thing every tool does, before any module that imports
 # Megatron-Core: its import-time notices are filtered here or never (they fire once).

@@ -33,9 +33,9 @@ from megatron_mea.checkpoint.torch_dist.checks import (
     checkpoint_dir,
     latest_iteration,
 )
-from megatron_mea.files import atomic_write
-from megatron_mea.training.run_dir import saved_iterations
-from megatron_mea.training.sweep_runs import child_env, read_metrics, resume_point
+from megatron_mea.apps.sweeps.runs import child_env, read_metrics, resume_point
+from megatron_mea.apps.training.run_dir import saved_iterations
+from megatron_mea.runtime.files import atomic_write
 
 RECORD = "demo.json"
 SAMPLE_PROMPT = "def "

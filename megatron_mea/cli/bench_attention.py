@@ -29,12 +29,12 @@ import statistics
 import sys
 import time
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
-from megatron_mea.bench.collectives import count_bytes
-from megatron_mea.bench.steps import SHAPE, VARIANTS, LayerStep, ModelStep, layer_flops
+from megatron_mea.apps.bench.collectives import count_bytes
+from megatron_mea.apps.bench.steps import SHAPE, VARIANTS, LayerStep, ModelStep, layer_flops
 from megatron_mea.cpu import megatron_on_cpu
-from megatron_mea.rendezvous import free_port
+from megatron_mea.runtime.argparsing import ArgumentParser
+from megatron_mea.runtime.process_groups import free_port
 
 
 def build_parser() -> argparse.ArgumentParser:

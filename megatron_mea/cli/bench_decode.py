@@ -22,8 +22,8 @@ import json
 import os
 import sys
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cpu import megatron_on_cpu
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 VARIANTS = {
     "baseline": dict(attention_variant="standard"),
@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _model(run_args, variant):
-    from megatron_mea.gpt import build_model, transformer_config
+    from megatron_mea.model.gpt import build_model, transformer_config
 
     fields = dict(VARIANTS[variant])
     if variant == "mea-half":
@@ -93,9 +93,9 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
+    from megatron_mea.apps.training.arguments import PretrainArgs
     from megatron_mea.inference import generate
-    from megatron_mea.training.arguments import PretrainArgs
-    from megatron_mea.gpt import initialize
+    from megatron_mea.model.gpt import initialize
 
     run_args = PretrainArgs(
         num_layers=opts.num_layers, hidden_size=opts.hidden_size,

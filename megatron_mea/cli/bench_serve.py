@@ -6,7 +6,7 @@ memory pressure, in paired rounds of concurrent requests.
     mea-bench-serve --shapes hd128 --output-tokens 256 ...                     # decode-heavier
     mea-bench-serve --pair ORIGINAL_EXPORT MEA_EXPORT --shapes tiny ...         # your exports
 
-Per shape (`megatron_mea.bench.serve_exports.SHAPES`; default `hd128`: hidden 1024 = 8 heads x
+Per shape (`megatron_mea.apps.bench.serve_exports.SHAPES`; default `hd128`: hidden 1024 = 8 heads x
 128, 4 layers, 4 K/V groups, 1024+64-token requests) and family (Llama: component cache; Qwen3,
 k norm after the mix: scaled components) the exports are made once under `OUT/exports` by
 `--exports-python` (Megatron-Core), both servers are started side by side by `--vllm-python`
@@ -27,8 +27,8 @@ import subprocess
 import sys
 import time
 
-from megatron_mea.argparsing import ArgumentParser
-from megatron_mea.bench import serve_exports, serve_report, serve_rounds
+from megatron_mea.apps.bench import serve_exports, serve_report, serve_rounds
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 
 def build_parser():
@@ -68,7 +68,8 @@ def _pairs(args, logs):
     root = os.path.join(args.out, "exports")
     for shape in args.shapes:
         with open(os.path.join(logs, f"exports-{shape}.log"), "w", encoding="utf-8") as log:
-            done = subprocess.run([args.exports_python, "-m", "megatron_mea.bench.serve_exports",
+            done = subprocess.run([args.exports_python, "-m",
+                                   "megatron_mea.apps.bench.serve_exports",
                                    root, "--shape", shape, "--families", *args.families],
                                   stdout=log, stderr=subprocess.STDOUT)
         if done.returncode != 0:

@@ -34,9 +34,9 @@ import sys
 
 import torch
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cpu import megatron_on_cpu
-from megatron_mea.files import no_room_cause
+from megatron_mea.runtime.argparsing import ArgumentParser
+from megatron_mea.runtime.files import no_room_cause
 from megatron_mea.variant import choices, field_help
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -99,7 +99,8 @@ def _export_hf(args):
         dtype=DTYPES[args.dtype] if args.dtype else None,
         max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
     )
-    hint = " (import megatron_mea.hf or pass trust_remote_code=True)" if fmt == "native" else ""
+    hint = (" (import megatron_mea.integrations.transformers or pass trust_remote_code=True)"
+            if fmt == "native" else "")
     print(f"wrote {args.save} in the {fmt} format{hint}")
 
 

@@ -24,10 +24,10 @@ import time
 
 import yaml
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
 from megatron_mea.cli import _demo_runs
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.argparsing import ArgumentParser
+from megatron_mea.runtime.files import atomic_write
 
 # A CPU-sized MoE GPT: 4 layers (2 MoE), 8 query heads / 4 KV groups, 4 experts top-2.
 DEMO_CONFIG = {

@@ -11,7 +11,7 @@ launch it would reject (every problem found, `; `-separated)."""
 import argparse
 import sys
 
-from megatron_mea.argparsing import ArgumentParser
+from megatron_mea.runtime.argparsing import ArgumentParser
 from megatron_mea.integrations.dry_run import (
     ASSUMED_TE_VERSION,
     DryRunError,

@@ -15,8 +15,8 @@ import argparse
 import json
 import sys
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cli._console import configure_console
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     # Megatron-Core's and the harness's INFO notices stay off the console (no run directory
     # to log them to); this package's steps and every warning are shown.
     configure_console("[mea-eval] %(message)s")
-    from megatron_mea.evaluation import evaluate_checkpoint
+    from megatron_mea.apps.evaluation import evaluate_checkpoint
 
     try:
         results = evaluate_checkpoint(

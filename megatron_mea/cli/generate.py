@@ -15,8 +15,8 @@ import logging
 import os
 import sys
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.cpu import megatron_on_cpu
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ On a machine with one CUDA GPU (bootstrap with `scripts/gpu_acceptance.sh`, see 
    that the loss falls; reports tokens/s, peak memory and MFU;
 4. the decode benchmark (`mea-bench-decode`) in bf16 at contexts 2048 and 8192: decode tokens/s
    and KV-cache bytes of MEA (nc = ng and ng/2) and KHA against the baseline;
-4b. the serving kernel (`megatron_mea.acceptance.paged_kernel`): the Triton kernel of MEA's
+4b. the serving kernel (`megatron_mea.apps.acceptance.paged_kernel`): the Triton kernel of MEA's
    scaled-components cache in vLLM, exact against the composite heads in fp32 and bf16, and
    timed against the original's layout (the same kernel, SDPA) in decode and prefill;
 5. Megatron-LM's own `pretrain_gpt.py` for a few bf16 steps with MEA and KHA, where the checkout
@@ -33,9 +33,9 @@ skipped), so that the script keeps working without a GPU; `tests/test_gpu_accept
     bash scripts/gpu_acceptance.sh                 # GPU machine: install wheels/, then this
     python -m megatron_mea.cli.gpu_acceptance --cpu-smoke --out /tmp/smoke
 
-The steps live in `megatron_mea.acceptance`. This module and that package import only the
+The steps live in `megatron_mea.apps.acceptance`. This module and that package import only the
 standard library at load time: the bootstrap installs the wheels
-(`python -m megatron_mea.acceptance.install`) before megatron-core is there.
+(`python -m megatron_mea.apps.acceptance.install`) before megatron-core is there.
 """
 
 import argparse
@@ -46,14 +46,14 @@ import shutil
 import sys
 import tempfile
 
-from megatron_mea.argparsing import ArgumentParser
-from megatron_mea.acceptance.pack import pack_report
-from megatron_mea.acceptance.plans import GPU_PLAN, SMOKE_PLAN
-from megatron_mea.acceptance.report import summary
-from megatron_mea.acceptance.runner import Runner
-from megatron_mea.acceptance.worker import train_worker
+from megatron_mea.apps.acceptance.pack import pack_report
+from megatron_mea.apps.acceptance.plans import GPU_PLAN, SMOKE_PLAN
+from megatron_mea.apps.acceptance.report import summary
+from megatron_mea.apps.acceptance.runner import Runner
+from megatron_mea.apps.acceptance.worker import train_worker
+from megatron_mea.runtime.argparsing import ArgumentParser
 
-logger = logging.getLogger("megatron_mea.acceptance")
+logger = logging.getLogger("megatron_mea.apps.acceptance")
 
 
 def _log_to_stdout(console_log=None) -> None:

@@ -11,11 +11,11 @@ Rerunning the same command continues an interrupted sweep: finished runs are kep
 interrupted run resumes from its last checkpoint. Outputs in --out: summary.txt and summary.json
 (the table), loss_vs_step.png (one panel per LR), final_loss_vs_lr.png, runs/<variant>/lr<lr>/
 (checkpoints, metrics.jsonl, train.log). The definitions of spike, divergence and largest stable
-LR are in `megatron_mea.training.sweep` and at the foot of the table.
+LR are in `megatron_mea.apps.sweeps.sweep` and at the foot of the table.
 
 Beside each run's verdict, the MEA paper's loss law `L(D) = (D_c / D)^alpha + L0` (its App. D)
 fitted to the run's losses after warm-up, where the run has at least --fit-min-steps of them:
-the fitted `L0` and the loss it predicts at --predict-tokens (`megatron_mea.training.sweep_fit`;
+the fitted `L0` and the loss it predicts at --predict-tokens (`megatron_mea.apps.sweeps.fit`;
 summary.json holds each run's fit under "fit").
 """
 
@@ -28,10 +28,10 @@ from functools import partial
 
 import yaml
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea._optional import import_extra
 from megatron_mea.cli.demo import DEMO_CONFIG, prepare_data, write_summary
-from megatron_mea.training.sweep import (
+from megatron_mea.runtime.argparsing import ArgumentParser
+from megatron_mea.apps.sweeps.sweep import (
     VARIANTS,
     StabilityRule,
     format_table,
@@ -40,8 +40,8 @@ from megatron_mea.training.sweep import (
     summarize_run,
     to_json,
 )
-from megatron_mea.training.sweep_fit import fit_run, format_fits
-from megatron_mea.training.sweep_runs import (
+from megatron_mea.apps.sweeps.fit import fit_run, format_fits
+from megatron_mea.apps.sweeps.runs import (
     PRETRAIN_MODULE,
     SweepRunError,
     SweepSettings,
@@ -188,7 +188,7 @@ def check_commands(settings: SweepSettings, config_path: str) -> None:
     Raises:
         ValueError: naming the setting mea-pretrain refuses.
     """
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.apps.training.arguments import parse_args
 
     for variant in settings.variants:
         command = train_command(settings, config_path, variant, max(settings.lrs), False)

@@ -13,19 +13,19 @@ script's argument set can be sized directly:
 Exit status: 0 printed; 2 a flag or a model training would refuse (the config's own checks; one
 line, `mea-model-size: error: ...`).
 
-The arithmetic (and what is counted) is documented in `megatron_mea/model_size.py`.
+The arithmetic (and what is counted) is documented in `megatron_mea/model/size.py`.
 """
 
 import argparse
 import json
 import sys
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.integrations.args import add_mea_args
 from megatron_mea.integrations.dry_run import DEFAULT_VOCAB_SIZE, padded_vocab_size
 from megatron_mea.integrations.mlm_flags import build_parser as megatron_lm_parser
-from megatron_mea.model_args import config_fields
-from megatron_mea.model_size import ModelShape, model_size
+from megatron_mea.model.args import config_fields
+from megatron_mea.model.size import ModelShape, model_size
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 PROG = "mea-model-size"
 

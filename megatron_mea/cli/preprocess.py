@@ -22,9 +22,9 @@ import logging
 import os
 import sys
 
-from megatron_mea.argparsing import ArgumentParser
 from megatron_mea.data.preprocess import PreprocessError, preprocess_files
 from megatron_mea.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 
 def _parse_args(argv):

@@ -35,23 +35,23 @@ def main(argv=None) -> int:
     """
     # Megatron-Core's INFO records go to the run's log file (`--save`/mea-pretrain.log) only.
     configure_console("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from megatron_mea.training.arguments import parse_run
+    from megatron_mea.apps.training.arguments import parse_run
 
     try:
         args, config = parse_run(argv)
     except ValueError as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2
-    from megatron_mea.data import DatasetError
     from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
-    from megatron_mea.training.errors import (
+    from megatron_mea.data import DatasetError
+    from megatron_mea.apps.training.errors import (
         CollectiveTimeout,
         RunFailure,
         TrainingInterrupted,
         TrainingStopped,
     )
-    from megatron_mea.training.loop import pretrain
-    from megatron_mea.training.run_dir import RunDirectoryError
+    from megatron_mea.apps.training.loop import pretrain
+    from megatron_mea.apps.training.run_dir import RunDirectoryError
 
     try:
         pretrain(args, config)

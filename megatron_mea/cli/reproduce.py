@@ -29,10 +29,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Tuple
 
-from megatron_mea.argparsing import ArgumentParser
+from megatron_mea.apps.sweeps.runs import load_sweep
 from megatron_mea.cli import lr_sweep
 from megatron_mea.cli.demo import prepare_data
-from megatron_mea.training.sweep_runs import load_sweep
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import time
 
 import psutil
 
-from megatron_mea.argparsing import ArgumentParser
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

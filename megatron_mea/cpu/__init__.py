@@ -6,8 +6,8 @@
   (``pretrain_gpt.py``...) with those patches and Megatron-LM's own (L1-L8).
 - `triton_stand_in`: the module the runner puts in place of a missing triton for one import.
 
-This package exports the library's names only (`megatron_mea.gpt` and the trainer use them); the
-runner is an application of them, run as `python -m megatron_mea.cpu`.
+This package exports the library's names only (`megatron_mea.model.gpt` and the trainer use
+them); the runner is an application of them, run as `python -m megatron_mea.cpu`.
 """
 
 from megatron_mea.cpu.megatron_core import (

@@ -72,7 +72,7 @@ import torch
 
 from megatron_mea.cpu.megatron_core import _Patcher, cuda_device_to_cpu, megatron_on_cpu
 from megatron_mea.cpu.triton_stand_in import triton_modules
-from megatron_mea.rendezvous import set_up_world_of_one
+from megatron_mea.runtime.process_groups import set_up_world_of_one
 
 logger = logging.getLogger(__name__)
 

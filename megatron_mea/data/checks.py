@@ -20,7 +20,7 @@ from typing import Dict, Optional
 import numpy
 from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType
 
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.files import atomic_write
 
 SPLIT_NAMES = ("train", "valid", "test")
 _HEADER_BYTES = 34  # magic (9), version (8), dtype code (1), sequence and document counts (8 + 8)

@@ -21,7 +21,7 @@ import logging
 import os
 import sysconfig
 
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def build_stdlib_corpus(
 ) -> tuple[int, int]:
     """Write the standard-library corpus as JSON lines: {"text": ..., "source": ...} per document.
 
-    The file is written all or nothing (`megatron_mea.files.atomic_write`).
+    The file is written all or nothing (`megatron_mea.runtime.files.atomic_write`).
 
     Args:
         output_jsonl: path of the JSON-lines file to write; its directory is created.

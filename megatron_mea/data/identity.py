@@ -18,7 +18,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from megatron_mea.data.checks import DatasetError, read_cache, file_key
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.files import atomic_write
 
 _CACHE = "data_identity.json"
 _BLOCK = 1 << 24  # bytes hashed per read

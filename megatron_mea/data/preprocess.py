@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-from megatron_mea.files import no_room_cause, publish
+from megatron_mea.runtime.files import no_room_cause, publish
 
 try:
     from tqdm import tqdm

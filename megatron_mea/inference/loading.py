@@ -23,7 +23,7 @@ from megatron_mea.checkpoint.megatron_lm.reading import common_state_types
 from megatron_mea.checkpoint.torch_dist import checks
 from megatron_mea.checkpoint.torch_dist.model_only import UNSHARDED_BUT_TP, ModelDescription
 from megatron_mea.cpu import require_cpu_patches
-from megatron_mea.model_args import RunArgs
+from megatron_mea.model.args import RunArgs
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def _inference_args_of(root: str, tp: int) -> RunArgs:
 def _build_and_load(args: RunArgs, directory: str, tp: int):
     """Check the layout, (re)initialise Megatron's parallel state, build the model at TP `tp` and
     read the checkpoint `directory` into it."""
-    from megatron_mea.gpt import build_model, initialize, transformer_config
+    from megatron_mea.model.gpt import build_model, initialize, transformer_config
 
     # The model must split at this TP whatever the world: checked before the world size.
     config = transformer_config(args)

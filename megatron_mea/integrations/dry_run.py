@@ -12,7 +12,7 @@
 3. Builds `MEATransformerConfig` from the args the way `core_transformer_config_from_args` does
    (every arg whose name is a config field, plus its special cases), so Megatron-Core's and the
    plugin's own `__post_init__` checks run.
-4. Prints a summary with the model size (`megatron_mea.model_size`); exit status 0 when valid.
+4. Prints a summary with the model size (`megatron_mea.model.size`); exit status 0 when valid.
 
 The tag is the one that matches the installed megatron-core (`mlm_flags.installed_tag`: 0.16.x
 validates against Megatron-LM `core_v0.16.1`, 0.17 and later against `core_v0.19.0`), unless one is
@@ -309,7 +309,7 @@ def dry_run(argv: list, world_size: int, te_version: str = ASSUMED_TE_VERSION,
         `{"args": Namespace, "config": MEATransformerConfig, "size": model_size dict,
         "tag": the Megatron-LM tag used}`.
     """
-    from megatron_mea.model_size import ModelShape, model_size
+    from megatron_mea.model.size import ModelShape, model_size
 
     tag = tag or installed_tag()
     args = parse_training_args(argv, tag)

@@ -60,7 +60,8 @@ def tp_loses_kv_saving_message(config, tensor_parallel_size: int) -> Optional[st
     (`nc < ng` and `t >= ng/nc`), else None.
 
     Args:
-        config: a native export's config (`megatron_mea.hf`): `attention_variant`,
+        config: a native export's config (`megatron_mea.integrations.transformers`):
+            `attention_variant`,
             `num_key_value_heads`, `mea_num_kv_components`.
         tensor_parallel_size: t.
     """

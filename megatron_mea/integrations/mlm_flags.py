@@ -28,7 +28,7 @@ import sys
 
 from packaging.version import Version
 
-from megatron_mea.argparsing import ArgumentParser
+from megatron_mea.runtime.argparsing import ArgumentParser
 
 # Supported Megatron-LM tags and the commit each one names (the flag tables and patches/ pin them).
 MEGATRON_LM_TAGS = {

@@ -110,7 +110,7 @@ def test_probe_approximation_is_the_compressed_model(checkpoints, tmp_path):
 def test_compressed_mea_keeps_its_head_norm_and_exports_natively(checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    import megatron_mea.hf  # noqa: F401
+    import megatron_mea.integrations.transformers  # noqa: F401
 
     source = checkpoints.imported("qwen3", "mea", mea_head_norm=True)
     out = str(tmp_path / "nc2")
@@ -131,7 +131,7 @@ def test_compressed_mea_keeps_its_head_norm_and_exports_natively(checkpoints, tm
 def test_norm_then_mix_is_another_function_exported_with_a_component_cache(checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    import megatron_mea.hf  # noqa: F401
+    import megatron_mea.integrations.transformers  # noqa: F401
     from megatron_mea.cli.convert import main
 
     source = checkpoints.imported("qwen3")
@@ -291,8 +291,8 @@ def test_pretraining_driver_continues_from_the_compressed_checkpoint(low_rank_fi
     ]
     from megatron.core import parallel_state
 
-    from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.loop import pretrain
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import pretrain
     from tests._models import init_parallel
 
     # In this process (a world of one is up): the driver sets up Megatron's parallel state and

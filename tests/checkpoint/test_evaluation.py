@@ -51,7 +51,7 @@ def _direct_log_likelihoods(checkpoint, context, choices):
                          ids=["mea-native", "kha-mlp-native"])
 def test_harness_scores_equal_the_direct_log_likelihoods(single_rank, tmp_path, monkeypatch,
                                                          variant, options):
-    from megatron_mea.evaluation import evaluate_checkpoint
+    from megatron_mea.apps.evaluation import evaluate_checkpoint
 
     _offline(monkeypatch, tmp_path)
     checkpoint = _byte_model(tmp_path, variant, **options)

@@ -65,7 +65,8 @@ NATIVE = [
 def test_native_export_has_the_variant_logits_and_round_trips(
     checkpoints, tmp_path, family, variant, options
 ):
-    import megatron_mea.hf  # noqa: F401  (AutoModelForCausalLM knows the native types)
+    # AutoModelForCausalLM learns the native types.
+    import megatron_mea.integrations.transformers  # noqa: F401
 
     trained = perturb_plugin_params(checkpoints.imported(family, variant, **options),
                                     str(tmp_path / "trained"))
@@ -97,7 +98,7 @@ def test_native_config_carries_every_variant_field_as_the_training_config_resolv
 
     from megatron_mea.checkpoint.hf.config import VARIANT_FIELDS
     from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
-    from megatron_mea.hf.modeling_megatron_mea import variant_setting
+    from megatron_mea.integrations.transformers.modeling_megatron_mea import variant_setting
 
     source = checkpoints.imported("qwen3_moe", "kha")  # kha_variant left to the default
     out = str(tmp_path / "hf")

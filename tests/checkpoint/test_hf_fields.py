@@ -20,7 +20,7 @@ from megatron_mea.checkpoint.hf.fields import (
     settings_left_out,
 )
 from megatron_mea.checkpoint.torch_dist.model_only import ConversionError, ModelDescription
-from megatron_mea.model_args import ModelArgs, RunArgs
+from megatron_mea.model.args import ModelArgs, RunArgs
 from megatron_mea.variant import AttentionVariantFields
 
 

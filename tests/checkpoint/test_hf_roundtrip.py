@@ -199,7 +199,7 @@ def test_training_settings_survive_export_and_import(checkpoints, tmp_path, fami
 
     from megatron_mea.checkpoint.hf.fields import CARRIED, of_family
     from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
-    from megatron_mea.model_args import MODEL_FIELDS, declared
+    from megatron_mea.model.args import MODEL_FIELDS, declared
 
     run = str(tmp_path / "run")
     variant = "mea" if options else "standard"

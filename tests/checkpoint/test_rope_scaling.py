@@ -65,7 +65,8 @@ def test_round_trip_gives_back_the_rope_parameters_and_weights(llama3, tmp_path)
 def test_native_export_applies_the_scaling(llama3, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    import megatron_mea.hf  # noqa: F401  (AutoModelForCausalLM knows the native types)
+    # AutoModelForCausalLM learns the native types.
+    import megatron_mea.integrations.transformers  # noqa: F401
 
     hf_dir, _, _ = llama3
     meg = str(tmp_path / "meg")

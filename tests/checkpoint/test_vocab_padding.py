@@ -10,10 +10,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from megatron_mea.apps.training.arguments import PretrainArgs, validate
 from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
 from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 from megatron_mea.cli.convert import main
-from megatron_mea.training.arguments import PretrainArgs, validate
 from tests.checkpoint._hf_models import (
     assert_same_hf_checkpoint,
     build_hf_model,

@@ -26,8 +26,8 @@ def _nccl_worker(rank, world_size, save_dir):
     dist.all_to_all_single(swapped, x)
     collectives_ok = bool(torch.equal(gathered[:8], x) and torch.equal(swapped, x))
 
-    from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.loop import pretrain
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import pretrain
 
     argv = [
         "--mock-data", "--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8",

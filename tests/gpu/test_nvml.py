@@ -7,7 +7,7 @@ import pytest
 def test_gpu_telemetry_reads_memory_utilisation_and_power():
     import torch
 
-    from megatron_mea.training.monitor import GpuTelemetry, format_line
+    from megatron_mea.apps.training.monitor import GpuTelemetry, format_line
 
     keep = torch.ones(64, 2**20, device="cuda")  # 256 MiB in use, at least
     values = GpuTelemetry().read()

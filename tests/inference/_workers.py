@@ -54,8 +54,8 @@ def tp_decoding(rank, world_size, variants, tp, workdir, prompts=PROMPTS):
 
 def pretrain(rank, world_size, argv):
     """A `mea-pretrain` run (saves config.yaml and torch_dist checkpoints under --save)."""
-    from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.loop import pretrain as run
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import pretrain as run
 
     return [record["lm loss"] for record in run(*parse_run(argv))]
 

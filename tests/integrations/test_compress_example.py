@@ -5,7 +5,7 @@ import os
 import shlex
 import subprocess
 
-from megatron_mea.training.arguments import parse_args
+from megatron_mea.apps.training.arguments import parse_args
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mea_compress_continue.sh")
 

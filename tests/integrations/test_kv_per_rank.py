@@ -4,7 +4,7 @@ warning of the vLLM plugin when a TP size loses MEA's saving."""
 
 import pytest
 
-from megatron_mea.hf.configuration_megatron_mea import (
+from megatron_mea.integrations.transformers.configuration_megatron_mea import (
     MegatronMEALlamaConfig,
     MegatronMEAQwen3MoeConfig,
 )
@@ -12,7 +12,7 @@ from megatron_mea.integrations.kv_per_rank import (
     kv_bytes_per_token_per_rank,
     tp_loses_kv_saving_message,
 )
-from megatron_mea.model_size import ModelShape, model_size
+from megatron_mea.model.size import ModelShape, model_size
 
 # Qwen3-30B-A3B (its config.json): 48 layers, 32 query heads, 4 K/V heads of 128, RMS q/k norm.
 QWEN3_30B_A3B = dict(num_layers=48, hidden_size=2048, num_attention_heads=32,

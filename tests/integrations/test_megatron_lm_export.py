@@ -76,7 +76,7 @@ def runs(megatron_lm_tree, mea_tp2_checkpoint, tmp_path_factory):
 
 
 def _load_hf(directory):
-    import megatron_mea.hf  # noqa: F401  (registers the native model types)
+    import megatron_mea.integrations.transformers  # noqa: F401  (registers the native model types)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(directory).eval()

@@ -1,11 +1,11 @@
-"""`megatron_mea.model_size` and `mea-model-size`: parameter counts, FLOPs and KV-cache bytes
+"""`megatron_mea.model.size` and `mea-model-size`: parameter counts, FLOPs and KV-cache bytes
 for baseline / MEA / KHA."""
 
 import json
 
 import pytest
 
-from megatron_mea.model_size import ModelShape, model_size
+from megatron_mea.model.size import ModelShape, model_size
 
 # The KHA paper's main model as in examples/megatron_lm/kha_moe_6b_a1b.sh.
 KHA_6B = dict(num_layers=24, hidden_size=1408, num_attention_heads=32, num_query_groups=4,
@@ -140,8 +140,8 @@ def test_cli_counts_learned_positions_unless_rope_is_named(capsys):
 def test_total_is_what_megatron_builds(single_rank, fields):
     # The count the paper tests compare against is the parameters of the GPTModel Megatron-Core
     # builds from the same description (the checkpoint's tensors).
-    from megatron_mea.gpt import build_model, transformer_config
-    from megatron_mea.model_args import MODEL_FIELDS, RunArgs
+    from megatron_mea.model.args import MODEL_FIELDS, RunArgs
+    from megatron_mea.model.gpt import build_model, transformer_config
 
     args = RunArgs(**{**dict(num_layers=2, hidden_size=64, num_attention_heads=8,
                              num_query_groups=4, seq_length=64, vocab_size=300, num_experts=4,

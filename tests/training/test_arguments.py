@@ -3,8 +3,8 @@
 import pytest
 import yaml
 
-from megatron_mea.run_config import save_config
-from megatron_mea.training.arguments import PretrainArgs, build_parser, parse_args
+from megatron_mea.apps.training.arguments import PretrainArgs, build_parser, parse_args
+from megatron_mea.model.run_config import save_config
 
 MOCK = ["--mock-data", "--vocab-size", "128"]
 
@@ -139,10 +139,10 @@ def test_virtual_pipeline_size_and_the_interleaved_schedule_s_micro_batches(monk
 
 
 def test_mea_pretrain_builds_the_run_config_once_and_passes_it_down(monkeypatch):
-    from megatron_mea import gpt
+    from megatron_mea.apps.training import loop
+    from megatron_mea.apps.training.setup import run_settings
     from megatron_mea.cli.pretrain import main
-    from megatron_mea.training import loop
-    from megatron_mea.training.setup import run_settings
+    from megatron_mea.model import gpt
 
     built, received = [], []
 

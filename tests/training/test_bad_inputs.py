@@ -150,8 +150,8 @@ def test_data_that_cannot_hold_its_cache_is_refused_with_a_hint(dataset, monkeyp
     # writable (os.access answers True for root whatever the mode, so the answer is set here).
     import os
 
-    from megatron_mea.training import arguments
-    from megatron_mea.training.arguments import PretrainArgs, validate
+    from megatron_mea.apps.training import arguments
+    from megatron_mea.apps.training.arguments import PretrainArgs, validate
 
     folder = os.path.dirname(dataset)
     monkeypatch.setattr(arguments.os, "access", lambda path, mode: path != folder)

@@ -4,9 +4,9 @@ computes what Megatron's default core attention computes (loss and every gradien
 import pytest
 import torch
 
+from megatron_mea.apps.training.arguments import parse_args
 from megatron_mea.layers.sdpa_attention import SDPADotProductAttention
-from megatron_mea.training.arguments import parse_args
-from megatron_mea.gpt import build_model, transformer_config
+from megatron_mea.model.gpt import build_model, transformer_config
 from tests._models import forward_loss
 
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",

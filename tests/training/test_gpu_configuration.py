@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from megatron_mea import _optional
-from megatron_mea.fusions import fusion_settings
-from megatron_mea.training.arguments import parse_args
-from megatron_mea.gpt import build_model, transformer_config
+from megatron_mea.apps.training.arguments import parse_args
+from megatron_mea.model.fusions import fusion_settings
+from megatron_mea.model.gpt import build_model, transformer_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,7 +8,7 @@ from functools import partial
 
 import pytest
 
-from megatron_mea.training.sweep import (
+from megatron_mea.apps.sweeps.sweep import (
     VARIANTS,
     RunSummary,
     StabilityRule,
@@ -116,8 +116,8 @@ def test_largest_stable_lr_is_the_largest_finished_lr_that_did_not_diverge():
 
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])
 def test_every_preset_run_passes_mea_pretrain_validation(preset, tmp_path):
+    from megatron_mea.apps.sweeps.runs import prepare_sweep
     from megatron_mea.cli.lr_sweep import build_parser, check_commands, resolve
-    from megatron_mea.training.sweep_runs import prepare_sweep
 
     # Validation reads the dataset's index: a real one, with documents for every split.
     from megatron_mea.data import ByteLevelTokenizer, preprocess_files
@@ -148,8 +148,8 @@ def test_gpu_preset_has_the_shape_of_the_papers_lr_study(tmp_path):
 
 def test_the_sweep_has_the_papers_controls():
     """Baseline, +norm, +HLC, HLC + norm; the norm-only run has no mixing matrices."""
-    from megatron_mea.training.arguments import parse_args
-    from megatron_mea.gpt import transformer_config
+    from megatron_mea.apps.training.arguments import parse_args
+    from megatron_mea.model.gpt import transformer_config
 
     for name, (hlc, norm) in {"mea-norm-only": (False, True), "mea-no-norm": (True, False),
                               "mea": (True, True)}.items():
@@ -175,9 +175,9 @@ def _iterations_and_losses(directory):
 
 
 def test_sweep_end_to_end_resumes_an_interrupted_run_and_keeps_finished_ones(tmp_path, capsys):
+    from megatron_mea.apps.sweeps.runs import run_dir
     from megatron_mea.cli.lr_sweep import main
     from megatron_mea.data import build_stdlib_corpus, build_tokenizer, preprocess_files
-    from megatron_mea.training.sweep_runs import run_dir
 
     corpus = str(tmp_path / "corpus.jsonl")
     build_stdlib_corpus(corpus, max_bytes=200_000)

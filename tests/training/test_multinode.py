@@ -24,8 +24,8 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GRO
 
 
 def _train(rank, world_size, argv):
-    from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.loop import pretrain
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import pretrain
 
     return [record["lm loss"] for record in pretrain(*parse_run(argv))]
 

@@ -56,8 +56,8 @@ def _from_the_same_weights(rank, world_size, base, ckpt, layouts):
     backward (no update), rewind the data, train to the end and save (`<ckpt>-<layout>`)."""
     from megatron.core import parallel_state
 
-    from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.loop import Trainer, pretrain
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import Trainer, pretrain
 
     pretrain(*parse_run([*base, "--save", ckpt, "--exit-interval", "1"]))
     results = {}

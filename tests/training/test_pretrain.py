@@ -34,8 +34,8 @@ def text_dataset(tmp_path_factory):
 
 
 def _train(rank, world_size, argv):
-    from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.loop import pretrain
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import pretrain
 
     return [record["lm loss"] for record in pretrain(*parse_run(argv))]
 
@@ -145,8 +145,8 @@ def test_tensor_parallel_run_matches_the_single_process_run(tmp_path):
 
 
 def _histories(rank, world_size, argvs):
-    from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.loop import pretrain
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import pretrain
 
     return [pretrain(*parse_run(argv)) for argv in argvs]
 

@@ -33,9 +33,9 @@ TINY = [
 
 def _train(rank, world_size, argv, sabotage=None):
     """Run mea-pretrain; `sabotage` names a fault to inject into this process."""
+    from megatron_mea.apps.training import loop
+    from megatron_mea.apps.training.arguments import parse_run
     from megatron_mea.checkpoint.torch_dist import training_state
-    from megatron_mea.training import loop
-    from megatron_mea.training.arguments import parse_run
 
     if sabotage is not None:
         _install(sabotage, training_state, loop)
@@ -514,8 +514,8 @@ def test_sigterm_to_the_process_group_after_a_checkpoint_saves_and_resume_contin
 
 def _signal_rank(rank, world_size, argv, signalled_rank, when):
     """Train; rank `signalled_rank` sends itself SIGTERM during iteration `when`."""
-    from megatron_mea.training import errors, loop
-    from megatron_mea.training.arguments import parse_run
+    from megatron_mea.apps.training import errors, loop
+    from megatron_mea.apps.training.arguments import parse_run
 
     if rank == signalled_rank:
         original, calls = loop._masked_mean_loss, [0]
@@ -580,7 +580,7 @@ def test_sigterm_to_torchrun_and_its_workers_at_tp2_saves_the_step_in_flight(tmp
 # (Ctrl-C again), or SIGTERM once the repeat window has passed.
 SECOND_SIGNAL = """
 import os, signal, sys, time
-from megatron_mea.training import signals
+from megatron_mea.apps.training import signals
 signals.REPEAT_WINDOW_S = 1.0
 with signals.ExitSignalHandler() as handler:
     os.kill(os.getpid(), signal.SIGTERM)
@@ -614,8 +614,8 @@ def test_a_duplicate_sigterm_is_held_and_a_real_second_signal_exits_at_once(seco
 SIGNAL_DURING_SET_UP = """
 import os, signal, sys
 if __name__ == "__main__":
+    from megatron_mea.apps.training import setup
     from megatron_mea.cli.pretrain import main
-    from megatron_mea.training import setup
     build = setup.build_datasets
     def signal_then_build(*args, **kwargs):
         os.killpg(os.getpgid(0), getattr(signal, sys.argv[1]))
@@ -703,8 +703,8 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
 STOP_DURING_SET_UP = """
 import os, signal, sys
 if __name__ == "__main__":
+    from megatron_mea.apps.training import setup
     from megatron_mea.cli.pretrain import main
-    from megatron_mea.training import setup
     build = setup.build_datasets
     def stop_then_build(*args, **kwargs):
         if os.environ["RANK"] == "1":
@@ -777,8 +777,8 @@ def test_data_regenerated_at_the_same_path_trains_on_the_new_data(tmp_path):
 FILE_SIZE_LIMIT = """
 import os, resource, sys
 if __name__ == "__main__":
+    from megatron_mea.apps.training import loop
     from megatron_mea.cli.pretrain import main
-    from megatron_mea.training import loop
     save, limit = loop.Trainer.save, sys.argv[1]
     def save_then_limit(self, root):
         save(self, root)
@@ -818,8 +818,8 @@ def test_a_save_that_fails_for_space_ends_in_one_line_and_leaves_no_tmp(tmp_path
 FULL_DISK = """
 import os, sys
 if __name__ == "__main__":
+    from megatron_mea.apps.training import loop
     from megatron_mea.cli.pretrain import main
-    from megatron_mea.training import loop
     save, leave = loop.Trainer.save, int(sys.argv[1])
     def save_then_fill(self, root):
         save(self, root)
@@ -879,8 +879,8 @@ def _train_with_file_size_limit(rank, world_size, argv, limited_rank, limit):
     only ("metrics": the size metrics.jsonl has then). Returns the RunFailure's line."""
     import resource
 
-    from megatron_mea.training import errors, loop
-    from megatron_mea.training.arguments import parse_run
+    from megatron_mea.apps.training import errors, loop
+    from megatron_mea.apps.training.arguments import parse_run
 
     save = loop.Trainer.save
 
@@ -934,8 +934,8 @@ def test_a_metrics_write_that_fails_ends_in_one_line_keeping_whole_lines(tmp_pat
 def _train_changing_data(rank, world_size, argv, prefix, how):
     """Train; right after the first checkpoint the data at `prefix` is changed in place
     (`how`). Returns the RunFailure's line."""
-    from megatron_mea.training import errors, loop
-    from megatron_mea.training.arguments import parse_run
+    from megatron_mea.apps.training import errors, loop
+    from megatron_mea.apps.training.arguments import parse_run
 
     save = loop.Trainer.save
 

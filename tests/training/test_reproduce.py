@@ -37,10 +37,10 @@ def test_smoke_run_writes_the_report_with_both_studies(tmp_path):
 
 
 def test_every_run_of_the_full_studies_passes_mea_pretrain_validation(tmp_path):
+    from megatron_mea.apps.sweeps.runs import prepare_sweep
     from megatron_mea.cli import lr_sweep
     from megatron_mea.cli.reproduce import STUDIES, build_parser, sweep_argv
     from megatron_mea.data import ByteLevelTokenizer, preprocess_files
-    from megatron_mea.training.sweep_runs import prepare_sweep
 
     (tmp_path / "data.jsonl").write_text("".join('{"text": "doc %d"}\n' % i for i in range(1000)))
     preprocess_files([str(tmp_path / "data.jsonl")], str(tmp_path / "data"), ByteLevelTokenizer(),

@@ -61,9 +61,9 @@ def _resume_everywhere(rank, world_size, base, saved, resaved, probe_schedule):
     """Train to step 6 and save; then resume at every layout of LAYOUTS (re-save, train)."""
     from megatron.core import parallel_state
 
-    from megatron_mea.training.arguments import parse_run
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import Trainer, pretrain
     from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
-    from megatron_mea.training.loop import Trainer, pretrain
 
     log = _Lines()
     logging.getLogger("megatron_mea.checkpoint.torch_dist.training_state").addHandler(log)

@@ -59,7 +59,7 @@ def test_kha_recipe_router_trains_resumes_exactly_and_exports(tmp_path, single_r
 @pytest.mark.parametrize("flag, value", [("--moe-router-score-function", "tanh"),
                                          ("--moe-router-dtype", "fp16")])
 def test_router_flags_take_only_megatron_values(flag, value):
-    from megatron_mea.training.arguments import parse_args
+    from megatron_mea.apps.training.arguments import parse_args
 
     with pytest.raises(SystemExit):
         parse_args([*ROUTER, flag, value])

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from megatron_mea.training.run_dir import (
+from megatron_mea.apps.training.run_dir import (
     LOCK,
     RunDirectoryError,
     SaveLock,

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from megatron_mea.training.sweep_fit import LossLawFit, fit_loss_law, fit_run, format_fits
+from megatron_mea.apps.sweeps.fit import LossLawFit, fit_loss_law, fit_run, format_fits
 
 TOKENS_PER_STEP = 65536
 

@@ -1,5 +1,5 @@
 """vLLM's OpenAI-compatible server started as a user of the CPU build starts it, for the tests:
-`mea-bench-serve`'s launcher (`megatron_mea.bench.serve_rounds.Server`) with the tests' settings.
+`mea-bench-serve`'s launcher (`megatron_mea.apps.bench.serve_rounds.Server`) with the tests' settings.
 
     python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --enforce-eager \
         --max-model-len 256 --kv-cache-memory-bytes BYTES --block-size 128 ...
@@ -15,8 +15,8 @@ import os
 import shutil
 import sys
 
-from megatron_mea.bench.serve_exports import BLOCK_SIZE
-from megatron_mea.bench.serve_rounds import Server, write_word_tokenizer
+from megatron_mea.apps.bench.serve_exports import BLOCK_SIZE
+from megatron_mea.apps.bench.serve_rounds import Server, write_word_tokenizer
 
 MAX_MODEL_LEN = 256
 

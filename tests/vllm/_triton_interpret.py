@@ -18,7 +18,7 @@ composite heads; whether the padding rows were left alone (vLLM's split-KV form 
 whether the split-KV form ran. Then the backend's impl on what the layer hands it (plain queries,
 its head mix): its CUDA code (`forward_triton`, the mixing around the kernel) against its CPU
 path (`forward`: batched decodes, vLLM's C++ prefill over rebuilt composites). Then the record of the GPU acceptance's `paged_kernel` step in its
-CPU form (`acceptance/paged_kernel.py --smoke`).
+CPU form (`apps/acceptance/paged_kernel.py --smoke`).
 """
 
 import json
@@ -179,7 +179,7 @@ def main(path):
     real_triton_for_vllm()
     results = {name: run(settings) for name, settings in BATCHES.items()}
     # The GPU acceptance's kernel step in its CPU form.
-    from megatron_mea.acceptance import paged_kernel
+    from megatron_mea.apps.acceptance import paged_kernel
 
     results["acceptance_smoke"] = paged_kernel.run("smoke")
     with open(path, "w", encoding="utf-8") as handle:

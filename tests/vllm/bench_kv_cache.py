@@ -45,7 +45,7 @@ def make(root):
     """Write the exports of `BENCH` under `root` (main venv: Megatron-Core converts)."""
     from megatron_mea.checkpoint.torch_dist.model_only import converter_process
     from megatron_mea.cpu import megatron_on_cpu
-    from megatron_mea.quiet import quiet_warnings
+    from megatron_mea.runtime.quiet import quiet_warnings
     from tests.vllm.make_exports import build_case
 
     quiet_warnings()

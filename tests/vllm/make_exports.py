@@ -78,7 +78,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from megatron_mea.checkpoint.torch_dist.model_only import converter_process
     from megatron_mea.cpu import megatron_on_cpu
-    from megatron_mea.quiet import quiet_warnings
+    from megatron_mea.runtime.quiet import quiet_warnings
 
     quiet_warnings()
     os.makedirs(args.out, exist_ok=True)

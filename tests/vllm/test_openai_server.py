@@ -17,8 +17,8 @@ import random
 
 import pytest
 
-from megatron_mea.bench import serve_exports, serve_report
-from megatron_mea.bench.serve_rounds import run_round
+from megatron_mea.apps.bench import serve_exports, serve_report
+from megatron_mea.apps.bench.serve_rounds import run_round
 from tests.vllm._openai_server import MAX_MODEL_LEN, OpenAIServer, serve_copy, word
 from tests.vllm.test_vllm_serving import ENV, MAX_TOKENS, PROMPTS, export_dir, hf_greedy
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from megatron_mea.hf.configuration_megatron_mea import MegatronMEAQwen3MoeConfig
+from megatron_mea.integrations.transformers.configuration_megatron_mea import MegatronMEAQwen3MoeConfig
 from megatron_mea.integrations.vllm.models import _refuse_what_vllm_layers_cannot_compute
 
 VARIANT = dict(attention_variant="mea", mea_head_norm=False, mea_hlc=True)

@@ -68,7 +68,7 @@ def hf_greedy(name, prompts=PROMPTS, max_tokens=MAX_TOKENS):
     """Greedy tokens of the Hugging Face model (full recompute each step, no cache)."""
     from transformers import AutoModelForCausalLM
 
-    import megatron_mea.hf  # noqa: F401  (the native model types)
+    import megatron_mea.integrations.transformers  # noqa: F401  (the native model types)
 
     model = AutoModelForCausalLM.from_pretrained(export_dir(name), dtype=torch.float32).eval()
     tokens = []

@@ -65,7 +65,7 @@ def test_the_backends_cuda_path_equals_its_cpu_path(interpreted, batch):
 
 
 def test_the_gpu_acceptance_kernel_step_runs_in_its_cpu_form(interpreted):
-    """`acceptance/paged_kernel.py --smoke` (the GPU acceptance's kernel check; the acceptance's
+    """`apps/acceptance/paged_kernel.py --smoke` (the GPU acceptance's kernel check; the acceptance's
     own CPU smoke has no triton and reports it as not available): exact, and every timing."""
     record = interpreted["acceptance_smoke"]
     assert record["ok"] and record["exact"]["float32"]["ok"]

@@ -22,7 +22,7 @@ from megatron_mea.checkpoint.hf.families import FAMILIES, Family, family
 from megatron_mea.checkpoint.hf.fields import CARRIED, FIXED, of_family, rope_settings
 from megatron_mea.checkpoint.torch_dist.model_only import ConversionError, ModelDescription
 from megatron_mea.data.tokenizers import ByteLevelTokenizer
-from megatron_mea.model_args import RUN_FIELDS, RunArgs
+from megatron_mea.model.args import RUN_FIELDS, RunArgs
 from megatron_mea.variant import fields_of_scope
 
 NATIVE_PREFIX = "megatron_mea_"
@@ -64,8 +64,10 @@ class StockLimits:
 
 def stock_limits(description: ModelDescription) -> StockLimits:
     """The `StockLimits` of the model of `description`."""
-    # Imported here: megatron_mea.hf needs the `hf` extra, this module only when converting.
-    from megatron_mea.hf.configuration_megatron_mea import router_outside_stock
+    # Imported here: megatron_mea.integrations.transformers needs the `hf` extra, this module
+    # only when converting.
+    from megatron_mea.integrations.transformers.configuration_megatron_mea import (
+        router_outside_stock)
 
     config = description.config
     if not config.num_moe_experts:
@@ -197,7 +199,7 @@ def description_from_hf(
     if tokenizer_dir:
         fields.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_dir)
     if native and fam.moe is not None and getattr(config, "moe_router_score_function", None):
-        from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS
+        from megatron_mea.integrations.transformers.configuration_megatron_mea import ROUTER_FIELDS
 
         fields.update({name: getattr(config, name) for name in ROUTER_FIELDS})
     unknown = sorted(set(fields) - _ARG_FIELDS)

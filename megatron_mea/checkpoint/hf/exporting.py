@@ -4,7 +4,8 @@ Formats:
 - `plain`: the stock family architecture (`LlamaForCausalLM`, `Qwen3MoeForCausalLM`...), which
   stock `transformers` loads. The baseline is exported exactly; MEA without the head norm and
   KHA-Linear are folded into the q/k/v weights (`variants.fold_layer`).
-- `native`: our modeling code (`megatron_mea.hf`, model type `megatron_mea_<family>`) keeps the
+- `native`: our modeling code (`megatron_mea.integrations.transformers`, model type
+  `megatron_mea_<family>`) keeps the
   plugin's parameters; needed for MEA with the head norm and for KHA-MLP. The export carries the
   modeling files and an `auto_map`, so `trust_remote_code=True` also works.
 - `auto` (default): `plain` when the variant folds, else `native`.
@@ -62,7 +63,7 @@ def choose_format(description: ModelDescription, limits: StockLimits,
     if limits.router and requested == "plain":
         raise ConversionError(
             f"{limits.router}: no stock transformers family routes this way; use "
-            "format 'native' (megatron_mea.hf's MegatronRouter)"
+            "format 'native' (megatron_mea.integrations.transformers's MegatronRouter)"
         )
     if limits.router:
         return "native"
@@ -70,7 +71,8 @@ def choose_format(description: ModelDescription, limits: StockLimits,
     if unsaid and requested == "plain":
         raise ConversionError(
             f"{unsaid}: without qk_layernorm the stock MoE family is Mixtral, which cannot say "
-            "this; use format 'native' (megatron_mea.hf's Qwen3-MoE without QK norm)"
+            "this; use format 'native' (megatron_mea.integrations.transformers's Qwen3-MoE "
+            "without QK norm)"
         )
     if unsaid:
         return "native"
@@ -83,7 +85,8 @@ def choose_format(description: ModelDescription, limits: StockLimits,
             f"attention_variant={config.attention_variant!r} with mea_head_norm="
             f"{config.mea_head_norm} / mea_key_norm_before_mix="
             f"{config.mea_key_norm_before_mix} / kha_variant={config.kha_variant!r} does not "
-            "fold into a stock architecture; use format 'native' (megatron_mea.hf modeling code)"
+            "fold into a stock architecture; use format 'native' "
+            "(megatron_mea.integrations.transformers modeling code)"
         )
     return requested
 
@@ -125,8 +128,9 @@ def _build_config(fam, fields: dict, config, fmt: str):
     try:
         if fmt == "plain":
             return AutoConfig.for_model(fam.name, **fields)
-        from megatron_mea.hf import CONFIGS, MODELS  # registers the native model types
-        from megatron_mea.hf.configuration_megatron_mea import ROUTER_FIELDS
+        # Importing it registers the native model types.
+        from megatron_mea.integrations.transformers import CONFIGS, MODELS
+        from megatron_mea.integrations.transformers.configuration_megatron_mea import ROUTER_FIELDS
 
         model_type = NATIVE_PREFIX + fam.name
         # Every variant field, as the config resolved it: the modeling code has no defaults of
@@ -155,9 +159,9 @@ def _write_config(save_dir: str, built, fmt: str, dtype: torch.dtype) -> None:
     built.dtype = dtype_name(dtype)
     built.save_pretrained(save_dir)
     if fmt == "native":  # the modeling code, for trust_remote_code=True
-        import megatron_mea.hf
+        import megatron_mea.integrations.transformers
 
-        package = os.path.dirname(megatron_mea.hf.__file__)
+        package = os.path.dirname(megatron_mea.integrations.transformers.__file__)
         for name in _NATIVE_FILES:
             shutil.copy(os.path.join(package, name), os.path.join(save_dir, name))
 

@@ -155,7 +155,8 @@ QWEN_MOE = _moe("mlp.gate.weight", "mlp.experts.{E}.", "gate_proj.weight", "up_p
 MIXTRAL_MOE = _moe("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{E}.", "w1.weight",
                    "w3.weight", "w2.weight")
 # Tensors of Megatron's router and shared expert that only the native Qwen3-MoE modeling code
-# (`megatron_mea.hf.MegatronMoeBlock`) has; mapped where the checkpoint holds them.
+# (`megatron_mea.integrations.transformers.MegatronMoeBlock`) has; mapped where the checkpoint
+# holds them.
 MEGATRON_MOE_EXTRAS = (
     Rule("mlp.router.expert_bias", ("mlp.gate.expert_bias",)),
     Rule(

@@ -119,7 +119,7 @@ def load_hf_config(directory: str):
     """
     from transformers import AutoConfig
 
-    import megatron_mea.hf  # noqa: F401  (registers the native model types)
+    import megatron_mea.integrations.transformers  # noqa: F401  (registers the native model types)
 
     read_config_json(directory)
     try:

@@ -47,7 +47,7 @@ from megatron_mea.checkpoint.torch_dist.safe_pickle import (
     MEGATRON_LM_ARGUMENT_CLASSES,
     MEGATRON_LM_ARGUMENT_CONTAINERS,
 )
-from megatron_mea.model_args import MODEL_FIELDS, RunArgs
+from megatron_mea.model.args import MODEL_FIELDS, RunArgs
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ Light at import (argparse and the model declaration only): the trainer imports i
 
 import argparse
 
-from megatron_mea.model_args import MODEL_FIELDS, derived_sizes
+from megatron_mea.model.args import MODEL_FIELDS, derived_sizes
 
 # What `RunArgs` says of the run under Megatron-LM's own names (the layout Megatron-LM checks
 # with `--use-checkpoint-args`, the precision, the padded vocabulary).

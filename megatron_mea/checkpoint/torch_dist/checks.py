@@ -21,7 +21,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 from megatron_mea import compat
 from megatron_mea.checkpoint.torch_dist import integrity
 from megatron_mea.checkpoint.torch_dist.safe_pickle import UnsafePickleError
-from megatron_mea.model_args import TENSOR_FIELDS
+from megatron_mea.model.args import TENSOR_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +284,7 @@ def explain_model_mismatch(root: str, args, error: ModelMismatchError) -> Checkp
     """`error` restated as the model settings that differ between the run that saved `root`
     (its `config.yaml`) and `args` (a `RunArgs`), or `error` itself when there is no
     config.yaml or no setting differs (the tensor message is then the best there is)."""
-    from megatron_mea.run_config import load_run_args
+    from megatron_mea.model.run_config import load_run_args
 
     path = os.path.join(root, "config.yaml")
     if not os.path.isfile(path):

@@ -25,7 +25,7 @@ from megatron_mea.checkpoint.torch_dist.safe_pickle import (
     check_torch_save,
     load_pickle,
 )
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
 

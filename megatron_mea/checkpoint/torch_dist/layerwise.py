@@ -68,7 +68,7 @@ from megatron_mea.checkpoint.torch_dist.model_only import (
 )
 from megatron_mea.checkpoint.megatron_lm.writing import CHECKPOINT_VERSION, megatron_lm_arguments
 from megatron_mea.checkpoint.torch_dist.output_dir import check_new_directory, staged_directory
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
 

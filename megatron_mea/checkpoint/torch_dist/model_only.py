@@ -42,12 +42,12 @@ from megatron_mea.checkpoint.torch_dist.checks import (
 )
 from megatron_mea.checkpoint.megatron_lm.reading import common_state_types, megatron_lm_run_args
 from megatron_mea.config import MEATransformerConfig
-from megatron_mea.files import atomic_write
-from megatron_mea import gpt
-from megatron_mea.gpt import transformer_config
-from megatron_mea.model_args import MODEL_FIELDS, RunArgs, derived_sizes, moe_layers
-from megatron_mea.rendezvous import free_port
-from megatron_mea.run_config import load_run_args, save_config
+from megatron_mea.model import gpt
+from megatron_mea.model.args import MODEL_FIELDS, RunArgs, derived_sizes, moe_layers
+from megatron_mea.model.gpt import transformer_config
+from megatron_mea.model.run_config import load_run_args, save_config
+from megatron_mea.runtime.files import atomic_write
+from megatron_mea.runtime.process_groups import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +81,13 @@ class ModelDescription:
 
     Attributes:
         args: the model and what its checkpoint records of the run (`RunArgs`, from
-            `config.yaml`): the `megatron_mea.model_args.ModelArgs` fields, the layout it was
+            `config.yaml`): the `megatron_mea.model.args.ModelArgs` fields, the layout it was
             written at, the dtype, the tokenizer.
         hf_config: the Hugging Face `config.json` the model came from (a template for export).
         source: the Hugging Face directory it was imported from (tokenizer and generation
             files are copied from there on export).
         resolved: `args` with every size left unset filled in (`derived_sizes`).
-        moe_layers: per 0-based layer, whether it is an MoE layer (`model_args.moe_layers`).
+        moe_layers: per 0-based layer, whether it is an MoE layer (`megatron_mea.model.args.moe_layers`).
         config: the model's `MEATransformerConfig` at the converters' layout
             (`SINGLE_PROCESS_LAYOUT`, meta device); building it validates the model.
 
@@ -255,7 +255,7 @@ def load_model_weights(model, root: str, iteration: Optional[int] = None) -> Non
 def build_stage_model(description: ModelDescription, **parallel) -> GPTModel:
     """The real model of `description` for this rank's pipeline stage (call inside an
     initialised parallel state: the stage and the sizes come from it), unwrapped, with the
-    recorded sizes overridden by `parallel`; built by `megatron_mea.gpt.build_model`.
+    recorded sizes overridden by `parallel`; built by `megatron_mea.model.gpt.build_model`.
 
     Args:
         description: the model.

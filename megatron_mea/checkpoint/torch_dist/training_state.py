@@ -15,8 +15,8 @@ keys, so a checkpoint resumes at any other TP / PP / VPP / EP / DP layout (`load
 only the distributed optimizer's default `dp_reshardable` format is tied to its model-parallel
 layout (refused with a message).
 
-`mea-pretrain` saves and resumes with it (`megatron_mea.training.loop`). The checks that refuse a
-checkpoint before loading are in `checks` (`CheckpointError`, `latest_iteration`,
+`mea-pretrain` saves and resumes with it (`megatron_mea.apps.training.loop`). The checks that
+refuse a checkpoint before loading are in `checks` (`CheckpointError`, `latest_iteration`,
 `verify_checkpoint`), the restoring of optimizer and scheduler state in `optimizer_state`.
 """
 
@@ -51,7 +51,7 @@ from megatron_mea.checkpoint.torch_dist.save_failures import (
     is_write_error,
     no_space_left,
 )
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.files import atomic_write
 
 __all__ = [
     "SaveFailed",

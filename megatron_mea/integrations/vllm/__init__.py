@@ -27,7 +27,8 @@ def register() -> None:
     Calling it again changes nothing."""
     from vllm import ModelRegistry
 
-    import megatron_mea.hf  # noqa: F401  (AutoConfig learns the megatron_mea_* model types)
+    # AutoConfig learns the megatron_mea_* model types.
+    import megatron_mea.integrations.transformers  # noqa: F401
 
     from megatron_mea.integrations.vllm.models import ARCHITECTURES
 

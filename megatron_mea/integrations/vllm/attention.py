@@ -1,6 +1,7 @@
 """MEA / KHA self-attention on vLLM's layers: parallel linears, rotary embedding, `Attention`.
 
-The order of operations is the Hugging Face classes' (`megatron_mea.hf`) and Megatron's:
+The order of operations is the Hugging Face classes' (`megatron_mea.integrations.transformers`)
+and Megatron's:
 split -> KHA -> q/k norm, MEA mixing -> k norm -> RoPE -> attention -> head norm -> `o_proj`.
 
 KV cache, per layer and token:
@@ -56,7 +57,7 @@ from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.platforms import current_platform
 
-from megatron_mea.hf.modeling_megatron_mea import before_mix
+from megatron_mea.integrations.transformers.modeling_megatron_mea import before_mix
 from megatron_mea.ops.decode import CacheKind, inverse_rms
 
 logger = logging.getLogger(__name__)

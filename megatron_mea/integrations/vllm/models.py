@@ -32,8 +32,8 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-from megatron_mea.hf.configuration_megatron_mea import router_outside_stock
 from megatron_mea.integrations.kv_per_rank import tp_loses_kv_saving_message
+from megatron_mea.integrations.transformers.configuration_megatron_mea import router_outside_stock
 from megatron_mea.integrations.vllm.attention import VariantAttention
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,8 @@ class VariantModel(nn.Module):
 def _refuse_what_vllm_layers_cannot_compute(config) -> None:
     """Native Qwen3-MoE exports that route as only Megatron does (the sigmoid router, an expert
     bias, top-k scaling, a shared expert) or have no QK norm (`qk_layernorm` false) are computed
-    by `megatron_mea.hf`'s modeling code; vLLM's `Qwen3MoeSparseMoeBlock` would compute another
+    by `megatron_mea.integrations.transformers`'s modeling code; vLLM's `Qwen3MoeSparseMoeBlock`
+    would compute another
     function. Refused, naming the field."""
     router = router_outside_stock(config)
     if router:

@@ -30,9 +30,10 @@ from typing import Callable, Dict, List, Optional
 
 import yaml
 
-from megatron_mea.files import atomic_write
+import megatron_mea
+from megatron_mea.apps.sweeps.sweep import VARIANTS
 from megatron_mea.checkpoint.torch_dist.checks import latest_iteration
-from megatron_mea.training.sweep import VARIANTS
+from megatron_mea.runtime.files import atomic_write
 
 RESULT = "result.json"
 METRICS = "metrics.jsonl"
@@ -56,7 +57,7 @@ class SweepSettings:
         data_path: `--data-path` of every run (Megatron blend syntax).
         train_config: `mea-pretrain` settings (PretrainArgs field: value) shared by all runs;
             `lr` and `min_lr` are set per run.
-        variants: names from `megatron_mea.training.sweep.VARIANTS`.
+        variants: names from `megatron_mea.apps.sweeps.sweep.VARIANTS`.
         lrs: peak learning rates.
         min_lr_ratio: each run decays to `min_lr = lr x min_lr_ratio`. Default: 0.1.
     """
@@ -308,7 +309,7 @@ def child_env() -> dict:
     """This environment without rendezvous variables, with the directory holding `megatron_mea`
     first on PYTHONPATH, so that `python -m megatron_mea.cli.pretrain` finds this package from a
     checkout that is not installed."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(megatron_mea.__file__)))
     path = os.environ.get("PYTHONPATH")
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS}
     return {**env, "PYTHONPATH": root + (os.pathsep + path if path else "")}

@@ -11,7 +11,7 @@ import shutil
 import tarfile
 from typing import List
 
-from megatron_mea.files import publish
+from megatron_mea.runtime.files import publish
 
 KEPT = ("summary.txt", "acceptance.json", "console.log")
 ARCHIVE = "report.tar.gz"

@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Literal, Optional, Tuple
 
-from megatron_mea.argparsing import ArgumentParser
-from megatron_mea.model_args import ModelArgs, RunArgs
-from megatron_mea.run_config import CUSTOM_TYPES, base_type, load_yaml
+from megatron_mea.model.args import ModelArgs, RunArgs
+from megatron_mea.model.run_config import CUSTOM_TYPES, base_type, load_yaml
+from megatron_mea.runtime.argparsing import ArgumentParser
 from megatron_mea.variant import AttentionVariantFields, attribute_docs
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ class PretrainArgs(RunArgs):
 
     The model's flags (`--num-layers`, `--moe-*`, the attention-variant flags `--attention-variant`,
     `--mea-*`, `--kha-*`, ...) are the fields of `ModelArgs`; the layout, precision, tokenizer
-    and seed flags those of `RunArgs` (`megatron_mea.model_args`), inherited."""
+    and seed flags those of `RunArgs` (`megatron_mea.model.args`), inherited."""
 
     # ---- model, variant, layout, precision, tokenizer, seed: `RunArgs`'s fields -------------
     no_decay_plugin_matrices: bool = False
@@ -93,7 +93,7 @@ class PretrainArgs(RunArgs):
     keeping the last good checkpoint."""
     nan_max_consecutive_skips: int = 10
     """With nan_policy=skip, stop after this many non-finite steps in a row."""
-    # ---- run-directory safety (megatron_mea.training.run_dir) --------------------------------
+    # ---- run-directory safety (megatron_mea.apps.training.run_dir) ---------------------------
     exit_on_missing_checkpoint: bool = True
     """A --load without a checkpoint is an error; --no-exit-on-missing-checkpoint starts from
     scratch instead (Megatron-LM's flag, on by default here)."""
@@ -287,7 +287,7 @@ def validate(args: PretrainArgs, world_size: Optional[int] = None):
             if not _is_weight(path) and not os.path.exists(path + ".idx"):
                 raise ValueError(f"{path_flag}: no dataset at {path!r} (missing {path}.idx)")
     # The model config validates the architecture and the variant fields (without any process).
-    from megatron_mea.gpt import transformer_config
+    from megatron_mea.model.gpt import transformer_config
 
     config = transformer_config(args)
     # After the architecture's own checks (a head count TP cannot split is the first thing to

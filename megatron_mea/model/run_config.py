@@ -14,8 +14,8 @@ from typing import List, Literal, Tuple
 
 import yaml
 
-from megatron_mea.files import atomic_write
-from megatron_mea.model_args import RunArgs
+from megatron_mea.model.args import RunArgs
+from megatron_mea.runtime.files import atomic_write
 
 __all__ = ["CUSTOM_TYPES", "base_type", "load_run_args", "load_yaml", "save_config"]
 

@@ -1,6 +1,6 @@
 """Megatron-Core's settings for `mea-pretrain`'s model: DDP, optimizer and learning-rate schedule,
 translated from the run's arguments (the config and the GPT model itself are the library's,
-`megatron_mea.gpt`). Translations only: the trainer builds Megatron's objects from them."""
+`megatron_mea.model.gpt`). Translations only: the trainer builds Megatron's objects from them."""
 
 from typing import Tuple
 
@@ -9,7 +9,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig, get_standard_config_overrides
 from megatron.core.optimizer.optimizer_config import ParamKey
 
-from megatron_mea.training.arguments import PretrainArgs
+from megatron_mea.apps.training.arguments import PretrainArgs
 
 # Parameters of the variants that are full matrices (identity-initialised); see docs/decisions.md,
 # "Parametrisation and weight decay".

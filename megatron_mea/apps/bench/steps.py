@@ -26,7 +26,7 @@ SHAPE = {"hidden_size": 1024, "ffn_hidden_size": None, "num_attention_heads": 16
 def model_args(args, variant, num_layers=1, core_attention="megatron"):
     """The benchmarked model as a `RunArgs`: `args`'s shape (`SHAPE`), a dense GELU GPT
     with RMSNorm and q/k norms, no biases, `variant`'s attention, and the vocabulary unpadded."""
-    from megatron_mea.model_args import RunArgs
+    from megatron_mea.model.args import RunArgs
 
     return RunArgs(
         num_layers=num_layers,
@@ -46,7 +46,7 @@ def make_config(args, variant, tp=1, num_layers=1):
     """The benchmarked model's `MEATransformerConfig`: its architecture through
     `model_args.config_fields`, at TP `tp` (with SP), every fusion off."""
     from megatron_mea import MEATransformerConfig
-    from megatron_mea.model_args import config_fields
+    from megatron_mea.model.args import config_fields
 
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return MEATransformerConfig(
@@ -103,12 +103,12 @@ class LayerStep:
 
 
 class ModelStep:
-    """One optimizer step of a small GPT (`megatron_mea.gpt.build_model`, fold cache on):
+    """One optimizer step of a small GPT (`megatron_mea.model.gpt.build_model`, fold cache on):
     micro-batches, the fold flush, Adam."""
 
     def __init__(self, args, variant, core_attention="megatron"):
-        from megatron_mea import gpt
         from megatron_mea.layers import enable_fold_cache, flush_fold_caches
+        from megatron_mea.model import gpt
 
         torch.manual_seed(args.seed)
         config = make_config(args, variant, num_layers=args.model_layers)

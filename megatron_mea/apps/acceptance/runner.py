@@ -15,9 +15,10 @@ import sys
 import time
 from typing import List, Optional
 
-from megatron_mea.acceptance.environment import describe_environment
-from megatron_mea.acceptance.plans import TRAIN_VARIANTS, Plan
-from megatron_mea.acceptance.report import (
+import megatron_mea
+from megatron_mea.apps.acceptance.environment import describe_environment
+from megatron_mea.apps.acceptance.plans import TRAIN_VARIANTS, Plan
+from megatron_mea.apps.acceptance.report import (
     failure,
     status,
     junit_counts,
@@ -28,7 +29,7 @@ from megatron_mea.acceptance.report import (
     summary,
     why,
 )
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 def repo_root() -> str:
     """The checkout that holds this package (tests/gpu is run from there)."""
-    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.dirname(os.path.dirname(os.path.abspath(megatron_mea.__file__)))
 
 
 class Runner:
@@ -273,7 +274,7 @@ class Runner:
         runs tiny under Triton's interpreter; where triton does not import it is not available
         (decides nothing, named in the summary)."""
         path = os.path.join(self.out, "paged_kernel.json")
-        argv = [sys.executable, "-m", "megatron_mea.acceptance.paged_kernel", "--json", path]
+        argv = [sys.executable, "-m", "megatron_mea.apps.acceptance.paged_kernel", "--json", path]
         smoke = self.plan.mode != "gpu"
         run = self.subprocess(argv + (["--smoke"] if smoke else []), "paged_kernel.log",
                               min(self.plan.paged_kernel_timeout_s, self.remaining() - 5),
@@ -290,7 +291,7 @@ class Runner:
     def megatron_lm(self) -> dict:
         """Step: Megatron-LM's own `pretrain_gpt.py`, a few bf16 steps with MEA and KHA, from
         the Megatron-LM training package vendored in the checkout (skipped without one)."""
-        from megatron_mea.acceptance.megatron_lm import megatron_lm_runs
+        from megatron_mea.apps.acceptance.megatron_lm import megatron_lm_runs
 
         return megatron_lm_runs(self)
 

@@ -20,19 +20,20 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
 from megatron_mea._optional import import_extra
-from megatron_mea.checkpoint.torch_dist import checks, training_state
+from megatron_mea.apps.training import errors, processes, run_dir, setup
+from megatron_mea.apps.training.arguments import PretrainArgs
+from megatron_mea.apps.training.batches import MicroBatches
+from megatron_mea.apps.training.monitor import (GpuTelemetry, TensorBoard, append_metrics,
+                                                format_line)
+from megatron_mea.apps.training.signals import ExitSignalHandler
+from megatron_mea.apps.training.watchdog import Heartbeat, describe_timeout, is_timeout
 from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
+from megatron_mea.checkpoint.torch_dist import checks, training_state
 from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
-from megatron_mea.gpt import initialize
-from megatron_mea.run_config import save_config
-from megatron_mea.training import errors, processes, run_dir, setup
-from megatron_mea.training.arguments import PretrainArgs
-from megatron_mea.training.batches import MicroBatches
-from megatron_mea.training.monitor import GpuTelemetry, TensorBoard, append_metrics, format_line
-from megatron_mea.training.signals import ExitSignalHandler
-from megatron_mea.training.watchdog import Heartbeat, describe_timeout, is_timeout
+from megatron_mea.model.gpt import initialize
+from megatron_mea.model.run_config import save_config
 
 logger = logging.getLogger(__name__)
 

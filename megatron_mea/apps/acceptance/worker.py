@@ -60,8 +60,8 @@ def train_one(argv: List[str], seconds: float) -> dict:
     import torch
     from megatron.core import parallel_state
 
-    from megatron_mea.training.arguments import parse_run
-    from megatron_mea.training.loop import Trainer
+    from megatron_mea.apps.training.arguments import parse_run
+    from megatron_mea.apps.training.loop import Trainer
 
     on_gpu = torch.cuda.is_available()
     args, config = parse_run(argv)

@@ -3,7 +3,7 @@
 Importing this package registers the configs with `AutoConfig` and the models with
 `AutoModelForCausalLM` (model types `megatron_mea_<family>`), so that::
 
-    import megatron_mea.hf  # noqa: F401
+    import megatron_mea.integrations.transformers  # noqa: F401
     model = AutoModelForCausalLM.from_pretrained(exported_dir)
 
 works for checkpoints written by `mea-convert export-hf` in the native format.
@@ -14,11 +14,11 @@ without installing megatron_mea.
 try:
     from transformers import AutoConfig, AutoModelForCausalLM
 except ImportError as exc:
-    raise ImportError("megatron_mea.hf (the Hugging Face models and conversions) needs "
+    raise ImportError("megatron_mea.integrations.transformers (the Hugging Face models) needs "
                       "transformers (the `hf` extra): pip install 'megatron_mea[hf]'") from exc
 
-from megatron_mea.hf.configuration_megatron_mea import CONFIGS
-from megatron_mea.hf.modeling_megatron_mea import MODELS, VariantAttention
+from megatron_mea.integrations.transformers.configuration_megatron_mea import CONFIGS
+from megatron_mea.integrations.transformers.modeling_megatron_mea import MODELS, VariantAttention
 
 for _model_type, _config in CONFIGS.items():
     AutoConfig.register(_model_type, _config, exist_ok=True)

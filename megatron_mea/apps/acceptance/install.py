@@ -147,7 +147,7 @@ def install_wheels(directory: str, site: str) -> List[str]:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """`python -m megatron_mea.acceptance.install WHEELS SITE`: unpack, print one line."""
+    """`python -m megatron_mea.apps.acceptance.install WHEELS SITE`: unpack, print one line."""
     wheels, site = argv if argv is not None else sys.argv[1:]
     names = install_wheels(wheels, site)
     print(f"[install] {len(names)} wheels from {wheels} into {site}: {' '.join(names) or '-'}")

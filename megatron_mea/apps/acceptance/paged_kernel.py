@@ -13,7 +13,7 @@ directly, without vLLM.
    SDPA on contiguous heads (FlashAttention in bf16 on a GPU); decode steps of a batch and a
    first prefill; median milliseconds and ratios (MEA / original).
 
-    python -m megatron_mea.acceptance.paged_kernel --json OUT.json [--smoke]
+    python -m megatron_mea.apps.acceptance.paged_kernel --json OUT.json [--smoke]
 
 `--smoke` is the CPU form: tiny shapes, fp32 only, under Triton's interpreter (the runner sets
 `TRITON_INTERPRET=1`; the timings mean nothing there). Where triton does not import, the step is
@@ -279,7 +279,7 @@ def run(plan_name: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_mea.acceptance.paged_kernel",
+    parser = argparse.ArgumentParser(prog="python -m megatron_mea.apps.acceptance.paged_kernel",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--json", required=True, help="where the result goes")
     parser.add_argument("--smoke", action="store_true", help="the CPU form (module docstring)")

@@ -30,7 +30,7 @@ import time
 from typing import Optional, Tuple
 
 from megatron_mea.checkpoint.torch_dist.checks import TRACKER, latest_iteration, saved_iterations
-from megatron_mea.files import atomic_write
+from megatron_mea.runtime.files import atomic_write
 
 logger = logging.getLogger(__name__)
 

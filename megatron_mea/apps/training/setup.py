@@ -18,14 +18,14 @@ from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_mea.apps.training import run_dir
+from megatron_mea.apps.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
+from megatron_mea.apps.training.model import ddp_config, optimizer_config, schedule
+from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu
-from megatron_mea.gpt import build_model
-from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
-from megatron_mea.training import run_dir
-from megatron_mea.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
-from megatron_mea.training.model import ddp_config, optimizer_config, schedule
+from megatron_mea.model.gpt import build_model
 
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 

@@ -8,7 +8,7 @@ key and token are cached (`CacheKind.SCALED_COMPONENTS`).
 
 Making needs Megatron-Core (the main venv); run as
 
-    python -m megatron_mea.bench.serve_exports ROOT --shape hd128 [--families llama qwen3]
+    python -m megatron_mea.apps.bench.serve_exports ROOT --shape hd128 [--families llama qwen3]
 
 which writes `ROOT/<shape>/<family>-{original,mea}/` and skips exports already there. The pool
 arithmetic imports nothing beyond the standard library.
@@ -113,7 +113,7 @@ def main(argv=None):
     parser.add_argument("--shape", choices=sorted(SHAPES), required=True)
     parser.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     args = parser.parse_args(argv)
-    from megatron_mea.quiet import quiet_warnings
+    from megatron_mea.runtime.quiet import quiet_warnings
 
     quiet_warnings()
     # The caller (mea-bench-serve) sends this process's output to its exports log.

@@ -6,7 +6,7 @@ fields of `megatron_mea.variant` inherited. Everything else derives from it:
 - `mea-pretrain`'s `PretrainArgs` inherits the fields (its flags and YAML keys are generated);
 - `config_fields` is the one translation to `MEATransformerConfig` fields, `gpt_model_kwargs` the
   one to `GPTModel`'s other arguments (the trainer, the converters and inference use both);
-- `megatron_mea.model_size.ModelShape` inherits the fields for the size arithmetic;
+- `megatron_mea.model.size.ModelShape` inherits the fields for the size arithmetic;
 - a Megatron-LM checkpoint's saved arguments are read field by field (same names).
 
 Each field's `metadata`:
@@ -141,9 +141,9 @@ class RunArgs(ModelArgs):
     layout, the precision, the layer implementation, the tokenizer and the seed.
 
     Everything that rebuilds a checkpoint's model at some layout reads these (the converters'
-    description, inference, the library's `megatron_mea.gpt`); `mea-pretrain`'s `PretrainArgs`
+    description, inference, the library's `megatron_mea.model.gpt`); `mea-pretrain`'s `PretrainArgs`
     adds the training settings. A run's `config.yaml` holds all of its arguments; a reader of
-    `RunArgs` takes these fields from it (`megatron_mea.run_config.load_run_args`)."""
+    `RunArgs` takes these fields from it (`megatron_mea.model.run_config.load_run_args`)."""
 
     # ---- parallelism --------------------------------------------------------------------------
     tensor_model_parallel_size: int = 1

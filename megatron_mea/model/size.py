@@ -31,14 +31,14 @@ import dataclasses
 import typing
 from typing import Union
 
-from megatron_mea.model_args import ModelArgs, derived_sizes, moe_layers
+from megatron_mea.model.args import ModelArgs, derived_sizes, moe_layers
 from megatron_mea.variant import KHA_MATRICES
 
 
 @dataclasses.dataclass
 class ModelShape(ModelArgs):
     """The sizes that determine parameters and FLOPs: the fields of the model description
-    (`megatron_mea.model_args.ModelArgs`, its defaults included), `vocab_size` required."""
+    (`megatron_mea.model.args.ModelArgs`, its defaults included), `vocab_size` required."""
 
     def __post_init__(self):
         if self.vocab_size is None:
@@ -84,7 +84,7 @@ class ModelShape(ModelArgs):
         return heads[0] if len(set(heads)) == 1 else heads
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether 0-based `layer` is an MoE layer (`megatron_mea.model_args.moe_layers`)."""
+        """Whether 0-based `layer` is an MoE layer (`megatron_mea.model.args.moe_layers`)."""
         return moe_layers(self)[layer]
 
 def _norm(shape: ModelShape, width: int) -> int:

@@ -22,7 +22,7 @@ from multiprocessing.managers import SyncManager
 from typing import Optional
 
 _PR_SET_PDEATHSIG = 1
-# What the trainer answers by saving (`megatron_mea.training.signals.SIGNALS`): its helpers
+# What the trainer answers by saving (`megatron_mea.apps.training.signals.SIGNALS`): its helpers
 # ignore them.
 _SHELTERED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _installed = False

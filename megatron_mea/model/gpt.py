@@ -2,7 +2,7 @@
 process group and parallel state it runs in.
 
 The trainer, the converters and inference build their models here from a `RunArgs` (the model
-description of `megatron_mea.model_args` with the layout, precision and implementation), so a
+description of `megatron_mea.model.args` with the layout, precision and implementation), so a
 checkpoint's model is the same model whoever builds it.
 """
 
@@ -18,9 +18,9 @@ from torch.overrides import TorchFunctionMode
 
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import init_cpu_rng_tracker
-from megatron_mea.fusions import fusion_settings
-from megatron_mea.model_args import RunArgs, config_fields, gpt_model_kwargs, parallel_sizes
-from megatron_mea.rendezvous import set_up_world_of_one
+from megatron_mea.model.args import RunArgs, config_fields, gpt_model_kwargs, parallel_sizes
+from megatron_mea.model.fusions import fusion_settings
+from megatron_mea.runtime.process_groups import set_up_world_of_one
 from megatron_mea.specs import get_gpt_decoder_block_spec
 
 __all__ = ["build_model", "initialize", "transformer_config"]
@@ -36,7 +36,7 @@ def transformer_config(
     Args:
         args: the run's arguments (the config does not depend on the number of processes or
             on the vocabulary: the model builder takes those).
-        on_gpu: pick the fusions for a CUDA run (see `megatron_mea.fusions`). Default: whether
+        on_gpu: pick the fusions for a CUDA run (see `megatron_mea.model.fusions`). Default: whether
             CUDA is available; tests pass True to build a GPU run's exact configuration on CPU.
         meta: for a model on the meta device (`build_model(..., placement="meta")`): CPU
             initialisation that draws no weights. Default: False.

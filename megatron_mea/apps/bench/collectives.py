@@ -8,10 +8,10 @@ import argparse
 import json
 import os
 
-from megatron_mea.bench.steps import LayerStep
+from megatron_mea.apps.bench.steps import LayerStep
 from megatron_mea.cpu import megatron_on_cpu
-from megatron_mea.rendezvous import free_port
-from megatron_mea.quiet import quiet_warnings  # the workers are part of the CLI's run
+from megatron_mea.runtime.process_groups import free_port
+from megatron_mea.runtime.quiet import quiet_warnings  # the workers are part of the CLI's run
 
 
 def expected_extra_bytes(args, variant, layer, tp: int) -> int:

@@ -1,0 +1,3 @@
+"""Plumbing every part uses: files written atomically and checked (`files`), process groups and
+free ports (`process_groups`), the tools' one-line argument errors (`argparsing`) and their
+warning filters (`quiet`)."""
