@@ -25,39 +25,12 @@ import time
 import yaml
 
 from megatron_mea._optional import import_extra
+from megatron_mea.apps.configs import DEMO
 from megatron_mea.cli import _demo_runs
 from megatron_mea.runtime.argparsing import ArgumentParser
 from megatron_mea.runtime.files import atomic_write
 
-# A CPU-sized MoE GPT: 4 layers (2 MoE), 8 query heads / 4 KV groups, 4 experts top-2.
-DEMO_CONFIG = {
-    "num_layers": 4,
-    "hidden_size": 128,
-    "ffn_hidden_size": 256,
-    "num_attention_heads": 8,
-    "num_query_groups": 4,
-    "seq_length": 128,
-    "num_experts": 4,
-    "moe_router_topk": 2,
-    "moe_ffn_hidden_size": 128,
-    "moe_layer_freq": 2,
-    "moe_aux_loss_coeff": 0.01,
-    "micro_batch_size": 8,
-    "global_batch_size": 16,
-    "train_iters": 300,
-    "lr": 2e-3,
-    "min_lr": 2e-4,
-    "lr_warmup_fraction": 0.05,
-    "weight_decay": 0.1,
-    "clip_grad": 1.0,
-    "seed": 1234,
-    "split": "98,2,0",
-    "tokenizer_type": "ByteLevelTokenizer",
-    "eval_interval": 50,
-    "eval_iters": 4,
-    "log_interval": 50,
-    "save_interval": 150,
-}
+DEMO_CONFIG = DEMO
 
 VARIANTS = {
     "baseline": ["--attention-variant", "standard"],
