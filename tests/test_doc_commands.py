@@ -8,10 +8,10 @@ command is a tool's when it starts with `mea-<tool>` or `python -m megatron_mea.
 (after any `VAR=value`), or is `torchrun ... --no-python mea-<tool> ...` (the torchrun flags
 are not checked). Not checked here: other programs' commands (`make`, `bash scripts/...`, `pip`,
 `vllm`, Megatron-LM's `pretrain_gpt.py` under torchrun); `python -m megatron_mea.cpu ...` and
-docs/cpu.md's blocks (tests/integrations/test_megatron_lm_cpu.py); the README's indented blocks
-(`DRY_RUN=1 bash examples/...`: tests/integrations/test_examples_dry_run.py runs the scripts);
-tool commands written inside prose. tests/test_docs.py runs the README's preprocessing example
-and checks the paths the other examples read.
+docs/cpu.md's blocks (tests/integrations/test_megatron_lm_cpu.py); indented blocks
+(docs/megatron-lm.md's `DRY_RUN=1 bash examples/...`: tests/integrations/test_examples_dry_run.py
+runs the scripts); tool commands written inside prose. tests/test_docs.py runs the preprocessing
+example of docs/pretraining.md and checks the paths the other examples read.
 """
 
 import argparse
@@ -81,7 +81,7 @@ class _Parsed(Exception):
 
 
 def test_the_docs_show_tool_commands():
-    # A guard on the extraction itself: the README alone shows 30 and more.
+    # A guard on the extraction itself: the README and docs/ show 30 and more.
     assert len(DOC_COMMANDS) >= 30, DOC_COMMANDS
     assert {"mea-pretrain", "mea-convert", "mea-model-size", "mea-dry-run",
             "mea-gpu-acceptance"} <= {script for _, script, _ in DOC_COMMANDS}

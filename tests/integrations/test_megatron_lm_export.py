@@ -161,7 +161,7 @@ def test_megatron_lm_continues_a_mea_pretrain_checkpoint_with_its_optimizer(
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     # Megatron-LM's scheduler counts samples where mea-pretrain's counts iterations: the run
-    # states its own schedule (README, "From Hugging Face or mea-pretrain back to Megatron-LM").
+    # states its own schedule (docs/megatron-lm.md, "From Hugging Face or mea-pretrain back to Megatron-LM").
     # The same --lr / --min-lr as the run (mea-pretrain's default min-lr, 1e-4): from
     # megatron-core 0.17 Megatron matches the optimizer's parameter groups by them.
     continued = train(megatron_lm_tree, "pretrain_gpt.py",

@@ -3,7 +3,7 @@
 Checksums: `checksums.json` in each `iter_XXXXXXX` lists every file the save wrote with its size
 and CRC-32 (zlib's, over 4 MiB blocks: the cheapest hash in the standard library, and one that
 catches every burst of flipped bits up to 32 long). It guards against corruption on disk or in
-transit, not against a forger, who can rewrite the list; the trust model is in the README.
+transit, not against a forger, who can rewrite the list; the trust model is in docs/reliability.md.
 Savers call `checksum_files` (each rank on its share of the files) and `write_checksums`;
 loaders call `verify_checksums`. A checkpoint without the list (Megatron-LM's, or this
 package's before it existed) loads with a warning.
