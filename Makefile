@@ -22,12 +22,20 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 setup: $(VENV)/.installed
 
-test: setup
-	$(PY) -m pytest -q tests
+# Two passes: the suite in TEST_WORKERS processes (pytest-xdist; its tests are CPU-bound and
+# each is at most a few processes), then the drills that wait on wall-clock time (marked
+# `serial`: signals, timeouts, killed processes) alone, so that the machine's load cannot decide
+# them. TEST_WORKERS=1 runs the first pass in one process too.
+TEST_WORKERS ?= 2
 
-# The quick tier for development (the tests marked slow in tests/conftest.py left out).
+test: setup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" tests
+	$(PY) -m pytest -q -m serial tests
+
+# The quick tier for development (the tests marked slow left out).
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not serial" tests
+	$(PY) -m pytest -q -m "serial and not slow" tests || [ $$? -eq 5 ]  # 5: none selected
 
 demo: setup
 	$(PY) -m megatron_mea.cli.demo

@@ -12,8 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_mea.apps.sweeps.runs import read_metrics
 from tests._dist import standalone_environment
+
+# A drill that waits on wall-clock time (signals, timeouts, a killed process): `make test` runs
+# it in its serial pass, after the parallel one (docs/testing.md).
+pytestmark = pytest.mark.serial
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--corpus-bytes", "200000"]

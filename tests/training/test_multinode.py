@@ -8,7 +8,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests._dist import free_port, run_distributed
+
+# A drill that waits on wall-clock time (signals, timeouts, a killed process): `make test` runs
+# it in its serial pass, after the parallel one (docs/testing.md).
+pytestmark = pytest.mark.serial
 
 ARGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -19,6 +19,10 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from megatron_mea import compat
 from tests._dist import free_port, run_distributed, standalone_environment
 
+# A drill that waits on wall-clock time (signals, timeouts, a killed process): `make test` runs
+# it in its serial pass, after the parallel one (docs/testing.md).
+pytestmark = pytest.mark.serial
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Variables of a launcher around this test session that a CLI run must not inherit.
 

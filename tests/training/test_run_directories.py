@@ -23,6 +23,10 @@ from megatron_mea.apps.training.run_dir import (
 )
 from tests._dist import standalone_environment
 
+# A drill that waits on wall-clock time (signals, timeouts, a killed process): `make test` runs
+# it in its serial pass, after the parallel one (docs/testing.md).
+pytestmark = pytest.mark.serial
+
 
 def _args(**kwargs):
     values = dict(save=None, load=None, ckpt_step=None, exit_on_missing_checkpoint=True,
