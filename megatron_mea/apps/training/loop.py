@@ -28,7 +28,8 @@ from megatron_mea.apps.training.monitor import (GpuTelemetry, TensorBoard, appen
 from megatron_mea.apps.training.signals import ExitSignalHandler
 from megatron_mea.apps.training.watchdog import Heartbeat, describe_timeout, is_timeout
 from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
-from megatron_mea.checkpoint.torch_dist import checks, training_state
+from megatron_mea.checkpoint.errors import ModelMismatchError
+from megatron_mea.checkpoint.torch_dist import saved_settings, training_state
 from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
@@ -151,7 +152,7 @@ class Trainer:
         # What every checkpoint of this run records of it (the vocabulary resolved above): its
         # data settings, and its arguments as Megatron-LM saves them (each checkpoint adds its
         # data position).
-        self.data_settings = checks.data_settings(args)
+        self.data_settings = saved_settings.data_settings(args)
         self.megatron_lm_args = megatron_lm_arguments(args, optimizer_saved=True)
         # Data tokenized for a larger vocabulary: named before the model is built (the
         # embedding would fail at the first batch holding such an id). The files as checked
@@ -182,10 +183,10 @@ class Trainer:
                     iteration=args.ckpt_step, data_settings=self.data_settings,
                     override_data_settings=args.override_checkpoint_data_settings,
                 )
-            except checks.ModelMismatchError as exc:
+            except ModelMismatchError as exc:
                 # A tensor's name or shape says little about which flag is off; the saving
                 # run's config.yaml names the setting.
-                raise checks.explain_model_mismatch(args.load, args, exc) from None
+                raise saved_settings.explain_model_mismatch(args.load, args, exc) from None
             self.last_checkpoint = (args.load, self.iteration)
         self._next_stage("building the datasets' indices")
         self.train_data, self.valid_data = setup.build_datasets(args, settings, self.tokenizer)

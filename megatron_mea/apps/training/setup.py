@@ -21,7 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_mea.apps.training import run_dir
 from megatron_mea.apps.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
 from megatron_mea.apps.training.model import ddp_config, optimizer_config, schedule
-from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
+from megatron_mea.checkpoint.errors import CheckpointError
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
