@@ -74,7 +74,8 @@ class Trainer:
     """One pretraining run: build, (resume,) train, evaluate, checkpoint.
 
     Args:
-        args: the run's validated arguments.
+        args: the run's validated arguments (not written to: `self.args` is
+            `self.settings.args`, a copy with the vocabulary resolved).
         config: the run's config, as validation built it (`parse_run`).
         signals: the run's signal handler, installed by the caller before set-up
             (`pretrain`). Default: one of its own (`--exit-signal-handler`), installed by
@@ -84,11 +85,11 @@ class Trainer:
     def __init__(self, args: PretrainArgs, config: MEATransformerConfig,
                  signals: Optional[ExitSignalHandler] = None):
         require_cpu_patches("Trainer")
+        self.signals = signals or ExitSignalHandler(enabled=args.exit_signal_handler)
         # Before any process: every value the run derives from its arguments, once (the
         # vocabulary resolved in a copy of them: the parsed arguments are not written to).
         self.settings = setup.run_settings(args, config)
         self.args = args = self.settings.args
-        self.signals = signals or ExitSignalHandler(enabled=args.exit_signal_handler)
         self.heartbeat, self.save_lock, self.run_log = None, None, None
         # What failed on this rank in the step just done (the ranks agree on it after the step).
         self.failure = None

@@ -147,48 +147,46 @@ def check_load(args) -> bool:
 
 def check_save(args, loads: bool) -> None:
     """Refuse a `--save` holding checkpoints of a run this one does not continue (unless
-    `--overwrite-save`), and move that run's `metrics.jsonl` aside where this is a new run."""
+    `--overwrite-save`), and move that run's `metrics.jsonl` aside where this is a new run.
+
+    `--load DIR --ckpt-step N --save DIR` continues the run in DIR from N: the checkpoints after
+    N belong to the run being abandoned. Refused unless `--rewind-save`; then they move aside
+    (`layout.rewind`), so that DIR holds one run."""
     if not args.save:
         return
-    continues = loads and _same_directory(args.load, args.save)
-    if continues:
-        if args.ckpt_step is not None:
-            _rewind(args.save, args.ckpt_step, args.rewind_save)
+    root = args.save
+    if not (loads and _same_directory(args.load, root)):
+        held = layout.held_checkpoint(root)
+        if held and not args.overwrite_save:
+            start = f"loads {args.load}" if loads else "starts from scratch"
+            raise RunDirectoryError(
+                f"--save {root}: holds checkpoints of another run ({held}) and this run "
+                f"{start}; pass --load {root} to continue that run, or --overwrite-save to "
+                "write over it"
+            )
+        metrics = os.path.join(root, METRICS)
+        if os.path.exists(metrics):
+            number = 1
+            while os.path.exists(f"{metrics}.{number}"):
+                number += 1
+            os.rename(metrics, f"{metrics}.{number}")
+            logger.warning("--save %s: a new run; the previous run's %s is now %s.%d",
+                           root, METRICS, METRICS, number)
         return
-    held = layout.held_checkpoint(args.save)
-    if held and not args.overwrite_save:
-        start = f"loads {args.load}" if loads else "starts from scratch"
-        raise RunDirectoryError(
-            f"--save {args.save}: holds checkpoints of another run ({held}) and this run "
-            f"{start}; pass --load {args.save} to continue that run, or --overwrite-save to "
-            "write over it"
-        )
-    metrics = os.path.join(args.save, METRICS)
-    if os.path.exists(metrics):
-        number = 1
-        while os.path.exists(f"{metrics}.{number}"):
-            number += 1
-        os.rename(metrics, f"{metrics}.{number}")
-        logger.warning("--save %s: a new run; the previous run's %s is now %s.%d",
-                       args.save, METRICS, METRICS, number)
-
-
-def _rewind(root: str, iteration: int, move_aside: bool) -> None:
-    """`--load DIR --ckpt-step N --save DIR`: the checkpoints after N belong to the run being
-    abandoned. Refused unless `move_aside` (`--rewind-save`); then they move aside
-    (`layout.rewind`), so `DIR` holds one run."""
-    later = layout.later_checkpoints(root, iteration)
-    if not later:  # nothing to abandon, or the load will say that N is not there
+    step = args.ckpt_step
+    # Nothing to abandon, or N is not there (the load names that).
+    later = layout.later_checkpoints(root, step) if step is not None else []
+    if not later:
         return
-    if not move_aside:
+    if not args.rewind_save:
         raise RunDirectoryError(
-            f"--save {root}: --ckpt-step {iteration} rewinds the run there, which has "
+            f"--save {root}: --ckpt-step {step} rewinds the run there, which has "
             f"{len(later)} later checkpoint(s) ({later[0]} .. {later[-1]}); "
             "pass --rewind-save to move them aside, or choose another --save"
         )
-    aside = layout.rewind(root, iteration)
+    aside = layout.rewind(root, step)
     logger.warning("--save %s: rewound to iteration %d; the %d later checkpoint(s) moved to %s",
-                   root, iteration, len(later), aside)
+                   root, step, len(later), aside)
 
 
 def claim_run_directories(args) -> Tuple[Optional[SaveLock], bool]:
