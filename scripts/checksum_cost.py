@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     from megatron_mea.apps.training import loop
     from megatron_mea.apps.training.arguments import parse_run
     from megatron_mea.checkpoint.torch_dist import integrity, training_state
-    from megatron_mea.checkpoint.torch_dist.checks import checkpoint_dir
+    from megatron_mea.checkpoint.torch_dist.layout import checkpoint_dir
 
     shutil.rmtree(args.out, ignore_errors=True)
     run, config = parse_run(

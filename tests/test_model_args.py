@@ -87,10 +87,10 @@ def test_the_trainer_maps_no_model_field_by_hand():
 
 
 def test_the_resume_check_compares_the_declared_tensor_fields():
-    from megatron_mea.checkpoint.torch_dist import checks as checkpoint_checks
+    from megatron_mea.checkpoint.torch_dist import saved_settings
     from megatron_mea.model.args import TENSOR_FIELDS
 
-    assert checkpoint_checks.MODEL_SETTINGS is TENSOR_FIELDS
+    assert saved_settings.MODEL_SETTINGS is TENSOR_FIELDS
     assert {"num_layers", "moe_router_enable_expert_bias"} <= set(TENSOR_FIELDS)
 
 

@@ -1,12 +1,13 @@
 """Pretraining data: tokenizers, raw text to Megatron `.bin/.idx`, and GPT dataset construction.
 
-from megatron_mea.data import build_tokenizer, preprocess_files, build_gpt_datasets
+from megatron_mea.data import (DatasetSettings, build_gpt_datasets, build_tokenizer,
+                               preprocess_files)
 
 tok = build_tokenizer("ByteLevelTokenizer")
 preprocess_files(["corpus.jsonl"], "data/corpus", tok, append_eod=True)
-train, valid, test = build_gpt_datasets(
-    ["data/corpus"], "98,2,0", seq_length=256, tokenizer=tok,
-    train_samples=1000, valid_samples=100, test_samples=0, seed=1234, mock=False)
+train, valid, test = build_gpt_datasets(DatasetSettings(
+    data_prefix=["data/corpus"], split="98,2,0", seq_length=256, seed=1234,
+    train_samples=1000, valid_samples=100, test_samples=0), tok)
 """
 
 import os
@@ -31,6 +32,7 @@ from megatron_mea.data.tokenizers import (
 
 __all__ = [
     "DatasetError",
+    "DatasetSettings",
     "TOKENIZER_TYPES",
     "ByteLevelTokenizer",
     "HuggingFaceTokenizer",
@@ -61,44 +63,22 @@ class IdentifiedGPTDataset(GPTDataset):
         return GPTDataset._key_config_attributes() + ["data_identity"]
 
 
-def build_gpt_datasets(
-    data_prefix: list[str] | None,
-    split: str,
-    seq_length: int,
-    tokenizer,
-    train_samples: int | None,
-    valid_samples: int | None,
-    test_samples: int | None,
-    seed: int,
-    mock: bool,
-    cache_dir: str | None = None,
-    *,
-    reset_position_ids: bool = False,
-    reset_attention_mask: bool = False,
-    eod_mask_loss: bool = False,
-    create_attention_mask: bool = False,
-    mmap_bin_files: bool = True,
-    is_built_on_rank: Callable[[], bool] | None = None,
-) -> tuple:
-    """Build the train/valid/test GPT datasets with Megatron's `BlendedMegatronDatasetBuilder`.
+@dataclass(frozen=True, kw_only=True)
+class DatasetSettings:
+    """What `build_gpt_datasets` builds: the data and its split, the samples to draw, their form.
 
-    Each sample is a dict of `tokens`, `labels`, `loss_mask`, `position_ids` (each of shape [s],
-    s = `seq_length`), plus `attention_mask` [1, s, s] when `create_attention_mask`, plus
-    `dataset_id` when several prefixes are blended.
-
-    Works on one process without torch.distributed, except a multi-prefix blend with `cache_dir`
-    set, which Megatron's BlendedDataset only builds with a process group initialised.
-
-    Args:
-        data_prefix: Megatron-LM `--data-path` list: ["prefix"], ["prefix1", "prefix2"] (weighted by
-            size) or ["0.7", "prefix1", "0.3", "prefix2"]. Must be None or empty when `mock`.
-        split: Megatron-LM `--split`, e.g. "98,2,0" (ignored when `mock`).
+    Attributes:
         seq_length: tokens per sample.
-        tokenizer: a `megatron_mea.data` tokenizer; `vocab_size` and `eod` are used.
-        train_samples, valid_samples, test_samples: samples to draw per split (None: one epoch;
-            not allowed with blend weights, where an unused split takes 0).
         seed: seed of the document and sample shuffles.
-        mock: use `MockGPTDataset` (synthetic token ramps) instead of files.
+        train_samples, valid_samples, test_samples: samples to draw per split (None: one epoch;
+            not allowed with blend weights, where an unused split takes 0). Default (valid,
+            test): None.
+        data_prefix: Megatron-LM `--data-path` list: ["prefix"], ["prefix1", "prefix2"]
+            (weighted by size) or ["0.7", "prefix1", "0.3", "prefix2"]. Must be None or empty
+            when `mock`. Default: None.
+        split: Megatron-LM `--split`, e.g. "98,2,0" (ignored when `mock`). Default: "969,30,1"
+            (Megatron-LM's).
+        mock: use `MockGPTDataset` (synthetic token ramps) instead of files. Default: False.
         cache_dir: where the shuffle indices are cached (Megatron-LM `--data-cache-path`),
             keyed by the settings and the data's identity (`identity.data_identity`: data
             regenerated at the same path builds new indices). Default: None (Megatron's
@@ -107,7 +87,44 @@ def build_gpt_datasets(
             same names. Default: False.
         create_attention_mask: materialise an [1, s, s] causal mask per sample; not needed when
             the attention applies causality itself. Default: False.
-        mmap_bin_files: mmap the .bin files rather than reading through file handles. Default: True.
+        mmap_bin_files: mmap the .bin files rather than reading through file handles. Default:
+            True.
+    """
+
+    seq_length: int
+    seed: int
+    train_samples: int | None
+    valid_samples: int | None = None
+    test_samples: int | None = None
+    data_prefix: list[str] | None = None
+    split: str = "969,30,1"
+    mock: bool = False
+    cache_dir: str | None = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    create_attention_mask: bool = False
+    mmap_bin_files: bool = True
+
+
+def build_gpt_datasets(
+    settings: DatasetSettings,
+    tokenizer,
+    *,
+    is_built_on_rank: Callable[[], bool] | None = None,
+) -> tuple:
+    """Build the train/valid/test GPT datasets with Megatron's `BlendedMegatronDatasetBuilder`.
+
+    Each sample is a dict of `tokens`, `labels`, `loss_mask`, `position_ids` (each of shape [s],
+    s = `settings.seq_length`), plus `attention_mask` [1, s, s] when
+    `settings.create_attention_mask`, plus `dataset_id` when several prefixes are blended.
+
+    Works on one process without torch.distributed, except a multi-prefix blend with a
+    `cache_dir`, which Megatron's BlendedDataset only builds with a process group initialised.
+
+    Args:
+        settings: the data, its split, the samples per split and their form.
+        tokenizer: a `megatron_mea.data` tokenizer; `vocab_size` and `eod` are used.
         is_built_on_rank: which ranks build datasets (Megatron-LM uses the first/last pipeline
             stage at TP rank 0). Default: every rank.
 
@@ -123,6 +140,9 @@ def build_gpt_datasets(
         RuntimeError: for a multi-prefix blend with `cache_dir` while torch.distributed is not
             initialised.
     """
+    data_prefix, mock, cache_dir, split = (settings.data_prefix, settings.mock,
+                                           settings.cache_dir, settings.split)
+    samples = [settings.train_samples, settings.valid_samples, settings.test_samples]
 
     if mock and data_prefix:
         raise ValueError("pass either data_prefix (--data-path) or mock (--mock-data), not both")
@@ -133,8 +153,8 @@ def build_gpt_datasets(
     if not mock:
         blend = get_blend_from_list(list(data_prefix))
         if blend[1] is not None:
-            sizes = dict(train=train_samples, valid=valid_samples, test=test_samples)
-            unset = [name for name, size in sizes.items() if size is None]
+            unset = [name for name, size in zip(("train", "valid", "test"), samples)
+                     if size is None]
             if unset:
                 # Megatron cannot size a weighted blend without a sample count (it asserts).
                 raise ValueError(
@@ -158,23 +178,23 @@ def build_gpt_datasets(
             check_splits(prefix, check_dataset_files(prefix, cache_dir), split)
 
     config = (GPTDatasetConfig if mock else IdentifiedGPTDatasetConfig)(
-        random_seed=seed,
-        sequence_length=seq_length,
+        random_seed=settings.seed,
+        sequence_length=settings.seq_length,
         blend=blend,
         split=None if mock else split,
         path_to_cache=cache_dir,
-        mmap_bin_files=mmap_bin_files,
+        mmap_bin_files=settings.mmap_bin_files,
         tokenizer=tokenizer,
-        reset_position_ids=reset_position_ids,
-        reset_attention_mask=reset_attention_mask,
-        eod_mask_loss=eod_mask_loss,
-        create_attention_mask=create_attention_mask,
+        reset_position_ids=settings.reset_position_ids,
+        reset_attention_mask=settings.reset_attention_mask,
+        eod_mask_loss=settings.eod_mask_loss,
+        create_attention_mask=settings.create_attention_mask,
     )
     if not mock:
         config.data_identity = {prefix: data_identity(prefix, cache_dir) for prefix in blend[0]}
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock else IdentifiedGPTDataset,
-        [train_samples, valid_samples, test_samples],
+        samples,
         is_built_on_rank or (lambda: True),
         config,
     )

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron_mea.checkpoint.megatron_lm.reading import common_state_types
-from megatron_mea.checkpoint.torch_dist import checks
+from megatron_mea.checkpoint.torch_dist import checks, layout
 from megatron_mea.checkpoint.torch_dist.model_only import UNSHARDED_BUT_TP, ModelDescription
 from megatron_mea.cpu import require_cpu_patches
 from megatron_mea.model.args import RunArgs
@@ -60,19 +60,19 @@ def find_run_checkpoint(path: str, iteration: int | None = None):
         FileNotFoundError: when there is no `config.yaml` or no such checkpoint.
         ValueError: when `iteration` contradicts an `iter_XXXXXXX` path.
     """
-    root, iteration = checks.split_checkpoint_path(os.path.abspath(path), iteration)
+    root, iteration = layout.split_checkpoint_path(os.path.abspath(path), iteration)
     if not os.path.isdir(root):
         raise FileNotFoundError(f"{root}: no such directory")
     if iteration is None:
-        iteration = checks.latest_iteration(root)
+        iteration = layout.latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(
-            f"{root!r} has no {checks.TRACKER}: pass an iter_XXXXXXX directory or "
+            f"{root!r} has no {layout.TRACKER}: pass an iter_XXXXXXX directory or "
             "an iteration"
         )
-    directory = checks.checkpoint_dir(root, iteration)
+    directory = layout.checkpoint_dir(root, iteration)
     if not os.path.isdir(directory):
-        raise FileNotFoundError(checks.missing_checkpoint(directory))
+        raise FileNotFoundError(layout.missing_checkpoint(directory))
     if not os.path.isfile(os.path.join(root, "config.yaml")) and not os.path.isfile(
         os.path.join(directory, "metadata.json")
     ):

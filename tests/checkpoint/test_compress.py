@@ -9,7 +9,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
 from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
-from megatron_mea.checkpoint.torch_dist.checks import ConversionError
+from megatron_mea.checkpoint.errors import ConversionError
 from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 from megatron_mea.checkpoint.transforms.compress import (
     approximate_layer,

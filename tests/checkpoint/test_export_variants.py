@@ -8,7 +8,7 @@ import torch
 
 from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
 from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
-from megatron_mea.checkpoint.torch_dist.checks import ConversionError
+from megatron_mea.checkpoint.errors import ConversionError
 from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 from tests.checkpoint._hf_models import hf_logits, tokens
 from tests.checkpoint._megatron import megatron_logits, perturb_plugin_params

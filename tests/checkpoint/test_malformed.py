@@ -10,8 +10,8 @@ import torch
 
 from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
 from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
-from megatron_mea.checkpoint.torch_dist.checks import ConversionError
-from megatron_mea.checkpoint.torch_dist.checks import TRACKER, CheckpointError
+from megatron_mea.checkpoint.errors import CheckpointError, ConversionError
+from megatron_mea.checkpoint.torch_dist.layout import TRACKER
 from megatron_mea.checkpoint.torch_dist.layerwise import write_checkpoint
 from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription, converter_process
 from tests.checkpoint._hf_models import edited_copy, hf_config

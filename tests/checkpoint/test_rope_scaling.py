@@ -11,7 +11,7 @@ import yaml
 
 from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
 from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
-from megatron_mea.checkpoint.torch_dist.checks import ConversionError
+from megatron_mea.checkpoint.errors import ConversionError
 from tests.checkpoint._hf_models import (
     LLAMA3,
     assert_same_hf_checkpoint,

@@ -152,10 +152,12 @@ def test_building_a_tiny_split_fails_instead_of_hanging(prefix):
     # process of its own so that a hang is a failure, not a stuck test session.
     code = (
         "import sys\n"
-        "from megatron_mea.data import ByteLevelTokenizer, DatasetError, build_gpt_datasets\n"
+        "from megatron_mea.data import (ByteLevelTokenizer, DatasetError, DatasetSettings,\n"
+        "                               build_gpt_datasets)\n"
         "try:\n"
-        f"    build_gpt_datasets([{prefix!r}], '969,30,1', 16, ByteLevelTokenizer(), 8, 0, 0,"
-        " 1, False)\n"
+        f"    build_gpt_datasets(DatasetSettings(data_prefix=[{prefix!r}], split='969,30,1',"
+        " seq_length=16, train_samples=8, valid_samples=0, test_samples=0, seed=1),"
+        " ByteLevelTokenizer())\n"
         "except DatasetError as exc:\n"
         "    print(exc); sys.exit(3)\n"
     )

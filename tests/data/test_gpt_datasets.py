@@ -11,7 +11,8 @@ import numpy
 import pytest
 import torch
 
-from megatron_mea.data import ByteLevelTokenizer, build_gpt_datasets, preprocess_files
+from megatron_mea.data import (ByteLevelTokenizer, DatasetSettings, build_gpt_datasets,
+                               preprocess_files)
 from tests._dist import run_distributed
 
 SEQ = 16
@@ -43,18 +44,9 @@ def test_samples_are_windows_of_the_document_stream(tmp_path, tok):
     # One document, so every sample is a window of (doc + eod) repeated over epochs.
     text = "The quick brown fox jumps over the lazy dog. " * 3
     prefix = _make_dataset(tmp_path, tok, [text])
-    train, valid, test = build_gpt_datasets(
-        [prefix],
-        "1,0,0",
-        SEQ,
-        tok,
-        20,
-        None,
-        None,
-        seed=3,
-        mock=False,
-        cache_dir=str(tmp_path / "c"),
-    )
+    train, valid, test = build_gpt_datasets(DatasetSettings(
+        data_prefix=[prefix], split="1,0,0", seq_length=SEQ, train_samples=20, seed=3,
+        cache_dir=str(tmp_path / "c")), tok)
     assert valid is None and test is None
     assert len(train) >= 20
     stream = (list(text.encode()) + [tok.eod]) * 4
@@ -72,9 +64,9 @@ def test_split_and_weighted_blend_without_distributed(tmp_path, tok):
     prefix_a = _make_dataset(tmp_path, tok, docs_a, "a")
     prefix_b = _make_dataset(tmp_path, tok, docs_b, "b")
 
-    train, valid, test = build_gpt_datasets(
-        ["0.7", prefix_a, "0.3", prefix_b], "8,2,0", SEQ, tok, 40, 8, 0, seed=1, mock=False
-    )
+    train, valid, test = build_gpt_datasets(DatasetSettings(
+        data_prefix=["0.7", prefix_a, "0.3", prefix_b], split="8,2,0", seq_length=SEQ,
+        train_samples=40, valid_samples=8, test_samples=0, seed=1), tok)
     assert test is None
     assert len(train) >= 40 and len(valid) >= 8  # per-dataset counts are rounded up
     ids = numpy.array([int(train[i]["dataset_id"]) for i in range(len(train))])
@@ -86,46 +78,52 @@ def test_split_and_weighted_blend_without_distributed(tmp_path, tok):
 
 def test_same_seed_same_samples(tmp_path, tok):
     prefix = _make_dataset(tmp_path, tok, [f"doc {i} " * (2 + i % 9) for i in range(40)])
-    a = build_gpt_datasets(
-        [prefix], "1,0,0", SEQ, tok, 10, None, None, 7, False, str(tmp_path / "1")
-    )
-    b = build_gpt_datasets(
-        [prefix], "1,0,0", SEQ, tok, 10, None, None, 7, False, str(tmp_path / "2")
-    )
+    a, b = (build_gpt_datasets(DatasetSettings(
+        data_prefix=[prefix], split="1,0,0", seq_length=SEQ, train_samples=10, seed=7,
+        cache_dir=str(tmp_path / cache)), tok) for cache in ("1", "2"))
     for i in range(10):
         assert torch.equal(a[0][i]["tokens"], b[0][i]["tokens"])
 
 
 def test_mock_datasets_have_the_right_shapes(tok):
-    train, valid, test = build_gpt_datasets(None, "98,2,0", SEQ, tok, 8, 4, 4, seed=1, mock=True)
+    train, valid, test = build_gpt_datasets(DatasetSettings(
+        split="98,2,0", seq_length=SEQ, train_samples=8, valid_samples=4, test_samples=4, seed=1,
+        mock=True), tok)
     for dataset in (train, valid, test):
         assert len(dataset) >= 4
         _assert_sample(dataset[0], tok.vocab_size)
 
 
 def test_optional_attention_mask(tok):
-    train, _, _ = build_gpt_datasets(
-        None, "1,0,0", SEQ, tok, 2, 1, 1, 1, True, create_attention_mask=True
-    )
+    train, _, _ = build_gpt_datasets(DatasetSettings(
+        split="1,0,0", seq_length=SEQ, train_samples=2, valid_samples=1, test_samples=1, seed=1,
+        mock=True, create_attention_mask=True), tok)
     assert train[0]["attention_mask"].shape == (1, SEQ, SEQ)
 
 
 def test_argument_errors_name_the_flags(tmp_path, tok):
+    def build(data_prefix, mock, valid_samples=1, test_samples=1):
+        build_gpt_datasets(DatasetSettings(
+            data_prefix=data_prefix, split="1,0,0", seq_length=SEQ, train_samples=1,
+            valid_samples=valid_samples, test_samples=test_samples, seed=1, mock=mock), tok)
+
     with pytest.raises(ValueError, match="--mock-data"):
-        build_gpt_datasets(["x"], "1,0,0", SEQ, tok, 1, 1, 1, 1, mock=True)
+        build(["x"], mock=True)
     with pytest.raises(ValueError, match="--data-path"):
-        build_gpt_datasets(None, "1,0,0", SEQ, tok, 1, 1, 1, 1, mock=False)
+        build(None, mock=False)
     with pytest.raises(ValueError, match="valid_samples, test_samples must be a number"):
-        build_gpt_datasets(["1", "a", "2", "b"], "1,0,0", SEQ, tok, 1, None, None, 1, mock=False)
+        build(["1", "a", "2", "b"], mock=False, valid_samples=None, test_samples=None)
     with pytest.raises(FileNotFoundError, match="missing.bin"):
-        build_gpt_datasets([str(tmp_path / "missing")], "1,0,0", SEQ, tok, 1, 1, 1, 1, mock=False)
+        build([str(tmp_path / "missing")], mock=False)
 
 
 def _blend_without_process_group(rank, world_size, prefixes, cache):
     """In a fresh process, where torch.distributed was never initialised."""
     assert not torch.distributed.is_initialized()
     try:
-        build_gpt_datasets(prefixes, "1,0,0", SEQ, ByteLevelTokenizer(), 2, 0, 0, 1, False, cache)
+        build_gpt_datasets(DatasetSettings(
+            data_prefix=prefixes, split="1,0,0", seq_length=SEQ, train_samples=2,
+            valid_samples=0, test_samples=0, seed=1, cache_dir=cache), ByteLevelTokenizer())
     except RuntimeError as exc:
         return str(exc)
     return None
@@ -144,9 +142,9 @@ def test_blend_with_cache_dir_under_one_rank_group(tmp_path, tok, single_rank):
     prefix_a = _make_dataset(tmp_path, tok, [f"x{i} " * 9 for i in range(30)], "a")
     prefix_b = _make_dataset(tmp_path, tok, [f"y{i} " * 9 for i in range(30)], "b")
     cache = tmp_path / "cache"
-    train, _, _ = build_gpt_datasets(
-        ["0.5", prefix_a, "0.5", prefix_b], "1,0,0", SEQ, tok, 20, 0, 0, 1, False, str(cache)
-    )
+    train, _, _ = build_gpt_datasets(DatasetSettings(
+        data_prefix=["0.5", prefix_a, "0.5", prefix_b], split="1,0,0", seq_length=SEQ,
+        train_samples=20, valid_samples=0, test_samples=0, seed=1, cache_dir=str(cache)), tok)
     _assert_sample(train[0], tok.vocab_size)
     assert any(p.name.endswith("dataset_index.npy") for p in cache.iterdir())
 
@@ -156,8 +154,9 @@ def test_data_regenerated_at_the_same_prefix_rebuilds_the_cached_indices(tmp_pat
     # .idx content and the .bin size) is part of the key, so new data is never read through the
     # old data's offsets.
     cache = str(tmp_path / "cache")
-    build = lambda prefix, cache_dir: build_gpt_datasets(  # noqa: E731
-        [prefix], "1,0,0", SEQ, tok, 40, None, None, seed=5, mock=False, cache_dir=cache_dir)
+    build = lambda prefix, cache_dir: build_gpt_datasets(DatasetSettings(  # noqa: E731
+        data_prefix=[prefix], split="1,0,0", seq_length=SEQ, train_samples=40, seed=5,
+        cache_dir=cache_dir), tok)
     prefix = _make_dataset(tmp_path, tok, [f"old document {i} " * (4 + i % 9) for i in range(80)])
     build(prefix, cache)
     first_files = set(os.listdir(cache))

@@ -5,7 +5,7 @@ name the checkpoint to resume from."""
 import signal
 from typing import Optional, Tuple
 
-from megatron_mea.checkpoint.torch_dist.checks import checkpoint_dir
+from megatron_mea.checkpoint.torch_dist.layout import checkpoint_dir
 
 
 class TrainingStopped(RuntimeError):

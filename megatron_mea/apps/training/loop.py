@@ -27,8 +27,8 @@ from megatron_mea.apps.training.monitor import (GpuTelemetry, TensorBoard, appen
                                                 format_line)
 from megatron_mea.apps.training.signals import ExitSignalHandler
 from megatron_mea.apps.training.watchdog import Heartbeat, describe_timeout, is_timeout
-from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
-from megatron_mea.checkpoint.torch_dist import checks, training_state
+from megatron_mea.checkpoint.errors import ModelMismatchError
+from megatron_mea.checkpoint.torch_dist import saved_settings, training_state
 from megatron_mea.compat import batch_on_this_cp_rank
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu, require_cpu_patches
@@ -74,7 +74,8 @@ class Trainer:
     """One pretraining run: build, (resume,) train, evaluate, checkpoint.
 
     Args:
-        args: the run's validated arguments.
+        args: the run's validated arguments (not written to: `self.args` is
+            `self.settings.args`, a copy with the vocabulary resolved).
         config: the run's config, as validation built it (`parse_run`).
         signals: the run's signal handler, installed by the caller before set-up
             (`pretrain`). Default: one of its own (`--exit-signal-handler`), installed by
@@ -84,10 +85,11 @@ class Trainer:
     def __init__(self, args: PretrainArgs, config: MEATransformerConfig,
                  signals: Optional[ExitSignalHandler] = None):
         require_cpu_patches("Trainer")
-        self.args = args
-        # Before any process: every value the run derives from its arguments, once.
-        self.settings = setup.run_settings(args, config)
         self.signals = signals or ExitSignalHandler(enabled=args.exit_signal_handler)
+        # Before any process: every value the run derives from its arguments, once (the
+        # vocabulary resolved in a copy of them: the parsed arguments are not written to).
+        self.settings = setup.run_settings(args, config)
+        self.args = args = self.settings.args
         self.heartbeat, self.save_lock, self.run_log = None, None, None
         # What failed on this rank in the step just done (the ranks agree on it after the step).
         self.failure = None
@@ -142,17 +144,7 @@ class Trainer:
 
     def _set_up(self, args: PretrainArgs, loads: bool) -> None:
         """Build the model, optimizer and data; load the checkpoint if `loads`."""
-        from megatron_mea.data import build_tokenizer
-
-        self.tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
-        if args.vocab_size is None:
-            args.vocab_size = self.tokenizer.vocab_size
         settings = self.settings
-        # What every checkpoint of this run records of it (the vocabulary resolved above): its
-        # data settings, and its arguments as Megatron-LM saves them (each checkpoint adds its
-        # data position).
-        self.data_settings = checks.data_settings(args)
-        self.megatron_lm_args = megatron_lm_arguments(args, optimizer_saved=True)
         # Data tokenized for a larger vocabulary: named before the model is built (the
         # embedding would fail at the first batch holding such an id). The files as checked
         # are the files watched: one changed later is named before a micro-batch reads it.
@@ -163,7 +155,7 @@ class Trainer:
 
             self._next_stage("checking the data files")
             for prefix in settings.data_prefixes:
-                check_token_ids(prefix, args.vocab_size, settings.data_cache)
+                check_token_ids(prefix, args.vocab_size, settings.datasets.cache_dir)
             self.data_watch = DataWatch(settings.data_prefixes)
         self.rank = dist.get_rank()
         self.dp_size = parallel_state.get_data_parallel_world_size()
@@ -179,16 +171,16 @@ class Trainer:
                     args.load, self.modules, self.optimizer, self.scheduler,
                     load_optim=not args.no_load_optim, load_rng=not args.no_load_rng,
                     use_distributed_optimizer=args.use_distributed_optimizer,
-                    iteration=args.ckpt_step, data_settings=self.data_settings,
+                    iteration=args.ckpt_step, data_settings=settings.checkpoint_settings,
                     override_data_settings=args.override_checkpoint_data_settings,
                 )
-            except checks.ModelMismatchError as exc:
+            except ModelMismatchError as exc:
                 # A tensor's name or shape says little about which flag is off; the saving
                 # run's config.yaml names the setting.
-                raise checks.explain_model_mismatch(args.load, args, exc) from None
+                raise saved_settings.explain_model_mismatch(args.load, args, exc) from None
             self.last_checkpoint = (args.load, self.iteration)
         self._next_stage("building the datasets' indices")
-        self.train_data, self.valid_data = setup.build_datasets(args, settings, self.tokenizer)
+        self.train_data, self.valid_data = setup.build_datasets(settings)
         self.train_batches = self._batches(self.train_data, consumed)
         self.valid_consumed = 0
         self.nan_streak = 0
@@ -453,8 +445,8 @@ class Trainer:
                 self.consumed_samples,
                 use_distributed_optimizer=self.args.use_distributed_optimizer,
                 fully_reshardable=self.args.dist_ckpt_optim_fully_reshardable,
-                data_settings=self.data_settings,
-                megatron_lm_args=self.megatron_lm_args,
+                data_settings=self.settings.checkpoint_settings,
+                megatron_lm_args=self.settings.megatron_lm_args,
             )
         except training_state.SaveFailed as exc:
             raise errors.RunFailure(f"iteration {self.iteration}: {exc}; "

@@ -29,8 +29,10 @@ import sys
 import time
 from typing import Optional, Tuple
 
-from megatron_mea.checkpoint.torch_dist.checks import TRACKER, latest_iteration, saved_iterations
-from megatron_mea.runtime.files import atomic_write
+from megatron_mea.checkpoint.torch_dist import layout
+
+# cli/_demo_runs imports it from here (issue 50: remove once it imports it from `layout`).
+saved_iterations = layout.saved_iterations
 
 logger = logging.getLogger(__name__)
 
@@ -128,83 +130,63 @@ def check_load(args) -> bool:
     a fresh start was not asked for (`--no-exit-on-missing-checkpoint`)."""
     if not args.load:
         return False
-    if args.ckpt_step is not None or latest_iteration(args.load) is not None:
+    if args.ckpt_step is not None:
+        return True
+    missing = layout.nothing_to_load(args.load)
+    if missing is None:
         return True
     if not args.exit_on_missing_checkpoint:
         logger.warning("--load %s: no checkpoint there; starting from scratch "
                        "(--no-exit-on-missing-checkpoint)", args.load)
         return False
-    if not os.path.isdir(args.load):
-        what = "no such directory"
-    else:
-        found = saved_iterations(args.load)
-        what = f"no {TRACKER}" + (
-            f" (iter_{found[-1]:07d} is there: pass --ckpt-step {found[-1]} to load it)"
-            if found else ""
-        )
     raise RunDirectoryError(
-        f"--load {args.load}: {what}; pass --no-exit-on-missing-checkpoint to start from "
+        f"--load {args.load}: {missing}; pass --no-exit-on-missing-checkpoint to start from "
         "scratch instead"
     )
 
 
 def check_save(args, loads: bool) -> None:
     """Refuse a `--save` holding checkpoints of a run this one does not continue (unless
-    `--overwrite-save`), and move that run's `metrics.jsonl` aside where this is a new run."""
+    `--overwrite-save`), and move that run's `metrics.jsonl` aside where this is a new run.
+
+    `--load DIR --ckpt-step N --save DIR` continues the run in DIR from N: the checkpoints after
+    N belong to the run being abandoned. Refused unless `--rewind-save`; then they move aside
+    (`layout.rewind`), so that DIR holds one run."""
     if not args.save:
         return
-    continues = loads and _same_directory(args.load, args.save)
-    if continues:
-        if args.ckpt_step is not None:
-            _rewind(args.save, args.ckpt_step, args.rewind_save)
+    root = args.save
+    if not (loads and _same_directory(args.load, root)):
+        held = layout.held_checkpoint(root)
+        if held and not args.overwrite_save:
+            start = f"loads {args.load}" if loads else "starts from scratch"
+            raise RunDirectoryError(
+                f"--save {root}: holds checkpoints of another run ({held}) and this run "
+                f"{start}; pass --load {root} to continue that run, or --overwrite-save to "
+                "write over it"
+            )
+        metrics = os.path.join(root, METRICS)
+        if os.path.exists(metrics):
+            number = 1
+            while os.path.exists(f"{metrics}.{number}"):
+                number += 1
+            os.rename(metrics, f"{metrics}.{number}")
+            logger.warning("--save %s: a new run; the previous run's %s is now %s.%d",
+                           root, METRICS, METRICS, number)
         return
-    found = saved_iterations(args.save)
-    has_tracker = os.path.exists(os.path.join(args.save, TRACKER))
-    if (found or has_tracker) and not args.overwrite_save:
-        held = f"iter_{found[-1]:07d}" if found else TRACKER
-        start = f"loads {args.load}" if loads else "starts from scratch"
-        raise RunDirectoryError(
-            f"--save {args.save}: holds checkpoints of another run ({held}) and this run "
-            f"{start}; pass --load {args.save} to continue that run, or --overwrite-save to "
-            "write over it"
-        )
-    metrics = os.path.join(args.save, METRICS)
-    if os.path.exists(metrics):
-        number = 1
-        while os.path.exists(f"{metrics}.{number}"):
-            number += 1
-        os.rename(metrics, f"{metrics}.{number}")
-        logger.warning("--save %s: a new run; the previous run's %s is now %s.%d",
-                       args.save, METRICS, METRICS, number)
-
-
-def _rewind(root: str, iteration: int, move_aside: bool) -> None:
-    """`--load DIR --ckpt-step N --save DIR`: the checkpoints after N belong to the run being
-    abandoned. Refused unless `move_aside` (`--rewind-save`); then they move to
-    `DIR/rewound_from_iter_M[.n]/` and the pointer names N, so `DIR` holds one run."""
-    found = saved_iterations(root)
-    later = [i for i in found if i > iteration]
-    if not later or iteration not in found:  # nothing to abandon, or the load will say
+    step = args.ckpt_step
+    # Nothing to abandon, or N is not there (the load names that).
+    later = layout.later_checkpoints(root, step) if step is not None else []
+    if not later:
         return
-    if not move_aside:
+    if not args.rewind_save:
         raise RunDirectoryError(
-            f"--save {root}: --ckpt-step {iteration} rewinds the run there, which has "
-            f"{len(later)} later checkpoint(s) (iter_{later[0]:07d} .. iter_{later[-1]:07d}); "
+            f"--save {root}: --ckpt-step {step} rewinds the run there, which has "
+            f"{len(later)} later checkpoint(s) ({later[0]} .. {later[-1]}); "
             "pass --rewind-save to move them aside, or choose another --save"
         )
-    aside = os.path.join(root, f"rewound_from_iter_{later[-1]:07d}")
-    number, base = 0, aside
-    while os.path.exists(aside):
-        number += 1
-        aside = f"{base}.{number}"
-    os.makedirs(aside)
-    for later_iteration in later:
-        name = f"iter_{later_iteration:07d}"
-        os.rename(os.path.join(root, name), os.path.join(aside, name))
-    with atomic_write(os.path.join(root, TRACKER)) as handle:
-        handle.write(str(iteration))
+    aside = layout.rewind(root, step)
     logger.warning("--save %s: rewound to iteration %d; the %d later checkpoint(s) moved to %s",
-                   root, iteration, len(later), aside)
+                   root, step, len(later), aside)
 
 
 def claim_run_directories(args) -> Tuple[Optional[SaveLock], bool]:

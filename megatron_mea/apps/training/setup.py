@@ -1,15 +1,18 @@
 """The set-up of a `mea-pretrain` run: the values it derives from its arguments, once, before any
-process group exists (`run_settings`), and the set-up steps that need the processes (the run
-directories, the model chunks of this rank in Megatron's DDP with their optimizer, the datasets),
-in the order the trainer calls them.
+process group exists (`run_settings`: the tokenizer and the vocabulary, the data, what every
+checkpoint records), and the set-up steps that need the processes (the run directories, the
+model chunks of this rank in Megatron's DDP with their optimizer, the datasets), in the order
+the trainer calls them.
 
-The trainer passes these values down: the data, the checkpoint and the model code receive
-built settings, not the arguments.
+The trainer passes these values down: the data and the checkpoint code receive built settings,
+and nothing writes to the parsed arguments (the vocabulary resolved is in a copy,
+`RunSettings.args`).
 """
 
+import argparse
+import dataclasses
 from dataclasses import dataclass
-from functools import partial
-from typing import List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Tuple
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -21,41 +24,54 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_mea.apps.training import run_dir
 from megatron_mea.apps.training.arguments import PretrainArgs, data_cache_dir, dataset_prefixes
 from megatron_mea.apps.training.model import ddp_config, optimizer_config, schedule
-from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
+from megatron_mea.checkpoint.errors import CheckpointError
+from megatron_mea.checkpoint.megatron_lm.writing import megatron_lm_arguments
+from megatron_mea.checkpoint.torch_dist.saved_settings import data_settings
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import cuda_device_to_cpu
 from megatron_mea.layers import enable_fold_cache, with_fold_flush
 from megatron_mea.model.gpt import build_model
+
+if TYPE_CHECKING:  # the data package is imported when the run is set up (it is heavy)
+    from megatron_mea.data import DatasetSettings
 
 AUX_LOSS_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss")
 
 
 @dataclass
 class RunSettings:
-    """What a run derives from its arguments, built once by `run_settings`.
+    """What a run derives from its arguments, built once by `run_settings` before the model.
 
     Attributes:
+        args: the run's arguments with the vocabulary resolved (`--vocab-size`, else the
+            tokenizer's); the parsed arguments are left as parsed.
         config: the model's config (the one of the run: the trainer adds its step hooks).
+        tokenizer: the run's tokenizer (`megatron_mea.data.build_tokenizer`).
         ddp: Megatron's DDP config.
         optimizer: Megatron's optimizer config.
         optimizer_overrides: its per-parameter overrides (no weight decay on some).
         schedule: `OptimizerParamScheduler`'s arguments besides the optimizer.
         data_prefixes: the dataset files the run reads (checked, then watched); [] for mock data.
-        data_cache: where the dataset index caches go (None: next to the data).
-        train_samples: the samples the training split must hold.
-        eval_samples: the samples the validation split must hold (every evaluation reads its own).
+        datasets: what `megatron_mea.data.build_gpt_datasets` builds: the training split holds
+            the steps' samples, the validation split every evaluation's own, no test split.
+        checkpoint_settings: what every checkpoint of the run records of it, compared on resume
+            (`checkpoint.torch_dist.saved_settings.data_settings`).
+        megatron_lm_args: the run's arguments as Megatron-LM saves them; each checkpoint adds
+            its data position (`checkpoint.megatron_lm.writing.megatron_lm_arguments`).
         moe_track_names: the MoE losses to report per step ([] without an auxiliary loss).
     """
 
+    args: PretrainArgs
     config: MEATransformerConfig
+    tokenizer: object
     ddp: DistributedDataParallelConfig
     optimizer: OptimizerConfig
     optimizer_overrides: dict
     schedule: dict
     data_prefixes: List[str]
-    data_cache: Optional[str]
-    train_samples: int
-    eval_samples: int
+    datasets: "DatasetSettings"
+    checkpoint_settings: dict
+    megatron_lm_args: argparse.Namespace
     moe_track_names: List[str]
 
 
@@ -63,9 +79,14 @@ def run_settings(args: PretrainArgs, config: MEATransformerConfig) -> RunSetting
     """The settings of the run `args` describes.
 
     Args:
-        args: the run's validated arguments.
+        args: the run's validated arguments (not written to).
         config: the run's config, as validation built it (`parse_run`).
     """
+    from megatron_mea.data import DatasetSettings, build_tokenizer
+
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+    if args.vocab_size is None:
+        args = dataclasses.replace(args, vocab_size=tokenizer.vocab_size)
     optimizer, overrides = optimizer_config(args)
     eval_runs = args.train_iters // args.eval_interval + 1
     reads_files = bool(args.data_path) and not args.mock_data
@@ -74,17 +95,30 @@ def run_settings(args: PretrainArgs, config: MEATransformerConfig) -> RunSetting
         and args.moe_router_load_balancing_type in AUX_LOSS_TYPES
         and args.moe_aux_loss_coeff > 0
     )
+    datasets = DatasetSettings(
+        data_prefix=args.data_path,
+        split=args.split,
+        seq_length=args.seq_length,
+        train_samples=args.train_iters * args.global_batch_size,
+        valid_samples=eval_runs * args.eval_iters * args.global_batch_size,
+        test_samples=0,
+        seed=args.seed,
+        mock=args.mock_data,
+        cache_dir=data_cache_dir(args),
+    )
     return RunSettings(
+        args=args,
+        config=config,
+        tokenizer=tokenizer,
         ddp=ddp_config(args),
         optimizer=optimizer,
         optimizer_overrides=overrides,
         schedule=schedule(args),
         data_prefixes=dataset_prefixes(args.data_path) if reads_files else [],
-        data_cache=data_cache_dir(args),
-        train_samples=args.train_iters * args.global_batch_size,
-        eval_samples=eval_runs * args.eval_iters * args.global_batch_size,
+        datasets=datasets,
+        checkpoint_settings=data_settings(args),
+        megatron_lm_args=megatron_lm_arguments(args, optimizer_saved=True),
         moe_track_names=["load_balancing_loss"] if aux_loss else [],
-        config=config,
     )
 
 
@@ -154,29 +188,16 @@ def setup_model_and_optimizer(
     return model, optimizer, scheduler
 
 
-def build_datasets(args: PretrainArgs, settings: RunSettings, tokenizer) -> tuple:
+def build_datasets(settings: RunSettings) -> tuple:
     """(train, validation) GPT datasets of the run; validation is None without evaluation
     (`--eval-iters 0`). Rank 0 builds first and writes the dataset index caches; the others
     read them."""
     from megatron_mea.data import build_gpt_datasets
 
-    build = partial(
-        build_gpt_datasets,
-        args.data_path,
-        args.split,
-        args.seq_length,
-        tokenizer,
-        settings.train_samples,
-        settings.eval_samples,
-        0,
-        args.seed,
-        args.mock_data,
-        settings.data_cache,
-    )
     rank = dist.get_rank()
     if rank == 0:
-        datasets = build()
+        datasets = build_gpt_datasets(settings.datasets, settings.tokenizer)
     dist.barrier()
     if rank != 0:
-        datasets = build()
-    return datasets[0], None if args.eval_iters == 0 else datasets[1]
+        datasets = build_gpt_datasets(settings.datasets, settings.tokenizer)
+    return datasets[0], None if settings.args.eval_iters == 0 else datasets[1]

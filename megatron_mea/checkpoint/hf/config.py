@@ -20,7 +20,8 @@ import torch
 
 from megatron_mea.checkpoint.hf.families import FAMILIES, Family, family
 from megatron_mea.checkpoint.hf.fields import CARRIED, FIXED, of_family, rope_settings
-from megatron_mea.checkpoint.torch_dist.model_only import ConversionError, ModelDescription
+from megatron_mea.checkpoint.errors import ConversionError
+from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
 from megatron_mea.data.tokenizers import ByteLevelTokenizer
 from megatron_mea.model.args import RUN_FIELDS, RunArgs
 from megatron_mea.variant import fields_of_scope

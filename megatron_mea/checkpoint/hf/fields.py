@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-from megatron_mea.checkpoint.torch_dist.checks import ConversionError
+from megatron_mea.checkpoint.errors import ConversionError
 from megatron_mea.model.args import MODEL_FIELDS, RunArgs, declared, moe_layers_of_freq
 
 DENSE = ("llama", "qwen2", "qwen3")

@@ -14,7 +14,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from megatron_mea.checkpoint.hf.config import dtype_name, split_model_type
-from megatron_mea.checkpoint.torch_dist.model_only import ConversionError
+from megatron_mea.checkpoint.errors import ConversionError
 
 logger = logging.getLogger(__name__)
 

@@ -37,13 +37,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megatron_mea.checkpoint.torch_dist.checks import (
-    TRACKER,
-    ConversionError,
-    checkpoint_dir,
-    latest_iteration,
-)
-from megatron_mea.checkpoint.torch_dist.safe_pickle import (
+from megatron_mea.checkpoint.errors import ConversionError
+from megatron_mea.checkpoint.megatron_lm.saved_types import (
     MEGATRON_LM_ARGUMENT_CLASSES,
     MEGATRON_LM_ARGUMENT_CONTAINERS,
 )
@@ -75,8 +70,8 @@ def _stand_in(qualified_name: str):
     return type(qualified_name.rsplit(".", 1)[1], (SavedObject,), {"saved_class": qualified_name})
 
 
-# Types Megatron-LM's saved arguments and common state hold (declared with the scan's allow-list
-# in `safe_pickle`): data containers as themselves, Megatron's classes as inert stand-ins (so a
+# Types Megatron-LM's saved arguments and common state hold (declared in `saved_types`, which the
+# pickle scan of `torch_dist.safe_pickle` admits too): data containers as themselves, Megatron's classes as inert stand-ins (so a
 # class renamed or missing in the installed release still reads).
 ALLOWED_TYPES = list(MEGATRON_LM_ARGUMENT_CONTAINERS) + [
     (_stand_in(name), name) for name in MEGATRON_LM_ARGUMENT_CLASSES
@@ -230,21 +225,13 @@ def run_args_from_megatron_lm(args: argparse.Namespace, where: str) -> RunArgs:
     return run_args
 
 
-def megatron_lm_run_args(root: str) -> RunArgs:
-    """The run arguments of the Megatron-LM checkpoint directory `root` (its latest iteration's
-    saved arguments); `torch_dist.model_only.ModelDescription.load` makes them a description.
+def megatron_lm_run_args(directory: str) -> RunArgs:
+    """The run arguments saved in the Megatron-LM checkpoint `directory` (an `iter_XXXXXXX`;
+    `torch_dist.model_only.ModelDescription.load` finds it and makes them a description).
 
     Raises:
-        ConversionError: not a checkpoint directory, no saved arguments, or arguments the
-            description cannot say (named).
+        ConversionError: no saved arguments, or arguments the description cannot say (named).
     """
-    iteration = latest_iteration(root) if os.path.exists(os.path.join(root, TRACKER)) else None
-    if iteration is None:
-        raise ConversionError(
-            f"{root}: not a checkpoint directory (no config.yaml of mea-pretrain or of this "
-            f"tool, no {TRACKER} of Megatron-LM)"
-        )
-    directory = checkpoint_dir(root, iteration)
     state = read_common_state(directory)
     args = state.get("args") if isinstance(state, dict) else None
     if not isinstance(args, argparse.Namespace):

@@ -1,106 +1,39 @@
-"""Finding a checkpoint and refusing one that cannot be loaded, before any collective load starts.
+"""Refusing a checkpoint directory that cannot be loaded, before any collective load starts.
 
-`verify_checkpoint` checks the files (partial, truncated, written by a newer Megatron-Core) and
-the model tensors against the model (another model's checkpoint); `explain_model_mismatch`
-turns a tensor mismatch into the model settings that differ, read from the run's saved
-`config.yaml`. Every message is one line naming the file, the tensor or the setting.
+`verify_checkpoint` checks the files (partial, truncated, corrupt, unsafe to unpickle, written
+by a newer Megatron-Core) and the model tensors against the model (another model's checkpoint).
+Every message is one line naming the file or the tensor. Where checkpoints live is `layout`'s;
+what a checkpoint records of its run, and the refusals built on it, `saved_settings`'.
 """
 
-import dataclasses
 import json
 import logging
 import os
 import re
-
-from typing import Optional, Tuple
 
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
 from megatron_mea import compat
+from megatron_mea.checkpoint.errors import CheckpointError, ModelMismatchError
 from megatron_mea.checkpoint.torch_dist import integrity
+from megatron_mea.checkpoint.torch_dist.layout import missing_checkpoint
 from megatron_mea.checkpoint.torch_dist.safe_pickle import UnsafePickleError
-from megatron_mea.model.args import TENSOR_FIELDS
+
+# Names cli/ (convert, _demo_runs, generate, pretrain) and apps/sweeps still import from here;
+# they belong to `checkpoint.errors` and `layout` (issue 50: remove once those import them there).
+from megatron_mea.checkpoint.errors import ConversionError  # noqa: F401
+from megatron_mea.checkpoint.torch_dist.layout import (  # noqa: F401
+    ITER_DIR,
+    checkpoint_dir,
+    latest_iteration,
+)
 
 logger = logging.getLogger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-ITER_DIR = re.compile(r"^iter_(\d{7})$")
-
 # Optimizer tensors (checkpoints of earlier versions prefix a ChainedOptimizer's with chained_N.).
 OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
-
-# Run fields that decide the model's tensors and their shapes, besides the attention
-# variant's fields of scope "model": declared with the model description.
-MODEL_SETTINGS = TENSOR_FIELDS
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded as asked: the message names the file or tensor."""
-
-
-class ModelMismatchError(CheckpointError):
-    """The checkpoint's model tensors are not this model's (other names or shapes)."""
-
-
-class ConversionError(ValueError):
-    """A checkpoint or model that cannot be converted as asked; the message names the tensor."""
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    """Directory of the checkpoint of `iteration` under `root`."""
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def saved_iterations(root: str) -> list:
-    """The iterations of the `iter_XXXXXXX` directories under `root`, ascending."""
-    if not os.path.isdir(root):
-        return []
-    return sorted(int(m.group(1)) for m in map(ITER_DIR.match, os.listdir(root)) if m)
-
-
-def missing_checkpoint(directory: str) -> str:
-    """The one line for an `iter_XXXXXXX` directory that does not exist: that its run directory
-    does not exist either, or which iterations are saved there."""
-    root = os.path.dirname(directory)
-    if not os.path.isdir(root):
-        return f"{root}: no such directory"
-    found = saved_iterations(root)
-    saved = ", ".join(map(str, found)) if found else "none"
-    return f"{directory}: no such checkpoint (iterations saved there: {saved})"
-
-
-def split_checkpoint_path(path: str, iteration: Optional[int] = None
-                          ) -> Tuple[str, Optional[int]]:
-    """(run directory, iteration) of a `--load` that names a run directory or one of its
-    `iter_XXXXXXX` folders, so every tool accepts both (`--load DIR --ckpt-step N` is
-    `--load DIR/iter_000000N`).
-
-    Raises:
-        CheckpointError: `iteration` contradicts the folder's number.
-    """
-    path = os.path.normpath(path)
-    match = ITER_DIR.match(os.path.basename(path))
-    if not match:
-        return path, iteration
-    found = int(match.group(1))
-    if iteration is not None and iteration != found:
-        raise CheckpointError(f"--ckpt-step {iteration} contradicts the checkpoint path {path}")
-    return os.path.dirname(path), found
-
-
-def latest_iteration(root: str):
-    """The iteration named by the tracker file, or None if there is no complete checkpoint."""
-    path = os.path.join(root, TRACKER)
-    if not os.path.exists(path):
-        return None
-    with open(path, "rb") as handle:
-        raw = handle.read(64)
-    text = raw.decode("ascii", "replace").strip()
-    if not (text.isascii() and text.isdigit()):
-        raise CheckpointError(f"{path}: expected an iteration number, found {raw[:20]!r}")
-    return int(text)
 
 
 def chunks_of(model) -> list:
@@ -263,109 +196,3 @@ def _model_tensor_problem(directory, saved, chunks):
                 f"this model expects {list(shape)}"
             ), set(expected)
     return None, set(expected)
-
-
-def model_setting_differences(saved: dict, current: dict) -> list:
-    """`name X in the checkpoint, Y in this run (--flag)` for each setting that differs.
-
-    Args:
-        saved: the checkpoint's model settings (see `model_settings`).
-        current: this run's, the same keys.
-    """
-    return [
-        f"{name} {saved[name]!r} in the checkpoint, {current[name]!r} in this run "
-        f"(--{name.replace('_', '-')})"
-        for name in saved
-        if name in current and saved[name] != current[name]
-    ]
-
-
-def explain_model_mismatch(root: str, args, error: ModelMismatchError) -> CheckpointError:
-    """`error` restated as the model settings that differ between the run that saved `root`
-    (its `config.yaml`) and `args` (a `RunArgs`), or `error` itself when there is no
-    config.yaml or no setting differs (the tensor message is then the best there is)."""
-    from megatron_mea.model.run_config import load_run_args
-
-    path = os.path.join(root, "config.yaml")
-    if not os.path.isfile(path):
-        return error
-    try:
-        saved_args = load_run_args(path)
-    except (TypeError, ValueError):  # a config of another version: keep the tensor message
-        return error
-    differences = model_setting_differences(model_settings(saved_args), model_settings(args))
-    if not differences:
-        return error
-    return CheckpointError(
-        f"{root}: the checkpoint's model differs from this run's: {'; '.join(differences)}. "
-        "Pass the checkpoint's settings (see its config.yaml) to resume it"
-    )
-
-
-def model_settings(args) -> dict:
-    """The settings of `args` (a `RunArgs`) that decide the model's tensors and shapes.
-
-    The padded vocabulary is not one of them: Megatron loads the embedding and output layer
-    across a change of padding (their `allow_shape_mismatch`)."""
-    from megatron_mea.variant import variant_settings
-
-    # variant_settings gives tuples for list-valued fields (YAML gives lists, code may use tuples).
-    return {**{name: getattr(args, name) for name in MODEL_SETTINGS},
-            **variant_settings(args, scopes=("model",))}
-
-
-# Settings of the data a run was trained on: resuming with another vocabulary, tokenizer or
-# sequence length would go on silently (Megatron resizes the embedding) with another meaning.
-DATA_SETTINGS = {"vocab_size": "--vocab-size", "tokenizer_type": "--tokenizer-type",
-                 "tokenizer": "--tokenizer-model", "seq_length": "--seq-length"}
-
-
-# Flags of one invocation rather than of the run: a resume differs in them by design.
-INVOCATION_SETTINGS = frozenset({
-    "save", "load", "ckpt_step", "rewind_save", "overwrite_save", "no_load_optim", "no_load_rng",
-    "override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler",
-    "override_checkpoint_data_settings", "exit_on_missing_checkpoint", "no_progress_bar",
-})
-
-
-def data_settings(args) -> dict:
-    """The settings of `args` (a `RunArgs`, vocab_size resolved) a checkpoint records: those of
-    `DATA_SETTINGS`, the tokenizer by its directory's name (a run may move, the tokenizer stays
-    the same), and under "run" every setting of the run but `INVOCATION_SETTINGS`, which a
-    resume names where they changed (`setting_changes`)."""
-    model = args.tokenizer_model
-    run = {name: list(value) if isinstance(value, tuple) else value
-           for name, value in dataclasses.asdict(args).items()
-           if name not in INVOCATION_SETTINGS}
-    return dict(vocab_size=args.vocab_size, tokenizer_type=args.tokenizer_type,
-                tokenizer=os.path.basename(os.path.normpath(model)) if model else None,
-                seq_length=args.seq_length, run=run)
-
-
-def setting_changes(saved: Optional[dict], current: dict) -> list:
-    """"--global-batch-size 8 -> 16" for each setting of `current["run"]` whose value in the
-    checkpoint's `saved` settings differs ([] for a checkpoint that has none recorded)."""
-    before, now = (saved or {}).get("run") or {}, current.get("run") or {}
-    return [f"--{name.replace('_', '-')} {before[name]} -> {now[name]}"
-            for name in now if name in before and before[name] != now[name]]
-
-
-def check_data_settings(directory: str, saved, current: dict, override: bool) -> None:
-    """Refuse a resume whose data settings differ from the checkpoint's (unless `override`,
-    `--override-checkpoint-data-settings`, then a warning). A checkpoint without them (a
-    converter's, or an earlier version's) is not checked."""
-    if not saved:
-        return
-    changes = [f"{name} {saved[name]!r} in the checkpoint, {current[name]!r} in this run "
-               f"({flag})" for name, flag in DATA_SETTINGS.items()
-               if name in saved and saved[name] != current[name]]
-    if not changes:
-        return
-    if override:
-        logger.warning("%s: resuming with other data settings (--override-checkpoint-data-"
-                       "settings): %s", directory, "; ".join(changes))
-        return
-    raise CheckpointError(
-        f"{directory}: {'; '.join(changes)}; pass the checkpoint's settings, or "
-        "--override-checkpoint-data-settings to change them on purpose"
-    )

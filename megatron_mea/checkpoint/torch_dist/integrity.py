@@ -16,10 +16,10 @@ them.
 import json
 import logging
 import os
-import re
 import zlib
 from typing import Dict, Iterable, Optional
 
+from megatron_mea.checkpoint.torch_dist import layout
 from megatron_mea.checkpoint.torch_dist.safe_pickle import (
     check_pickle,
     check_torch_save,
@@ -32,7 +32,6 @@ logger = logging.getLogger(__name__)
 CHECKSUMS = "checksums.json"
 COMMON_FILE = "common.pt"
 _BLOCK = 4 << 20
-_ITER_DIR = re.compile(r"^iter_(\d{7})$")
 
 
 class IntegrityError(ValueError):
@@ -124,14 +123,11 @@ def is_complete(directory: str) -> bool:
 
 def older_complete_iteration(directory: str) -> Optional[int]:
     """The newest `iter_XXXXXXX` next to `directory`, older than it, that `is_complete`."""
-    root, name = os.path.split(os.path.normpath(directory))
-    match = _ITER_DIR.match(name)
-    if not match or not os.path.isdir(root):
+    root, this = layout.split_checkpoint_path(directory)
+    if this is None:
         return None
-    older = sorted((int(m.group(1)) for m in map(_ITER_DIR.match, os.listdir(root))
-                    if m and int(m.group(1)) < int(match.group(1))), reverse=True)
-    for iteration in older:
-        if is_complete(os.path.join(root, f"iter_{iteration:07d}")):
+    for iteration in reversed(layout.saved_iterations(root)):
+        if iteration < this and is_complete(layout.checkpoint_dir(root, iteration)):
             return iteration
     return None
 
@@ -141,8 +137,8 @@ def fallback_hint(directory: str) -> str:
     iteration = older_complete_iteration(directory)
     if iteration is None:
         return "no older complete checkpoint is next to it"
-    return (f"the older checkpoint iter_{iteration:07d} is complete: pass --ckpt-step "
-            f"{iteration} to load it instead")
+    return (f"the older checkpoint {layout.directory_name(iteration)} is complete: pass "
+            f"--ckpt-step {iteration} to load it instead")
 
 
 def read_index(directory: str):

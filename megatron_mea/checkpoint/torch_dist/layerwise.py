@@ -46,17 +46,14 @@ from torch.distributed.checkpoint.planner_helpers import (
     create_read_items_for_chunk_list,
 )
 
-from megatron_mea.checkpoint.torch_dist.checks import (
-    TRACKER,
-    checkpoint_dir,
-    verify_checkpoint,
-)
+from megatron_mea.checkpoint.torch_dist.checks import verify_checkpoint
 from megatron_mea.checkpoint.torch_dist.integrity import (
     checkpoint_files,
     checksum_files,
     read_index,
     write_checksums,
 )
+from megatron_mea.checkpoint.torch_dist.layout import checkpoint_dir, write_tracker
 from megatron_mea.checkpoint.torch_dist.model_only import (
     MODEL_ONLY_LAYOUT,
     ConversionError,
@@ -194,8 +191,7 @@ def write_checkpoint(
         _merge_parts(directory, parts)
         write_checksums(directory, checksum_files(directory, checkpoint_files(directory)))
         description.save(staged)
-        with open(os.path.join(staged, TRACKER), "w", encoding="utf-8") as handle:
-            handle.write("0")
+        write_tracker(staged, 0)
     directory = checkpoint_dir(root, 0)
     logger.info("wrote %s (%d tensors, %.1f s)", directory, len(entries),
                 time.perf_counter() - started)

@@ -31,16 +31,16 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.models.gpt import GPTModel
 
-from megatron_mea.checkpoint.torch_dist.checks import (
+from megatron_mea.checkpoint.errors import ConversionError
+from megatron_mea.checkpoint.megatron_lm.reading import common_state_types, megatron_lm_run_args
+from megatron_mea.checkpoint.torch_dist.checks import verify_checkpoint
+from megatron_mea.checkpoint.torch_dist.layout import (
     TRACKER,
-    ConversionError,
     checkpoint_dir,
     latest_iteration,
     missing_checkpoint,
     split_checkpoint_path,
-    verify_checkpoint,
 )
-from megatron_mea.checkpoint.megatron_lm.reading import common_state_types, megatron_lm_run_args
 from megatron_mea.config import MEATransformerConfig
 from megatron_mea.model import gpt
 from megatron_mea.model.args import MODEL_FIELDS, RunArgs, derived_sizes, moe_layers
@@ -134,8 +134,14 @@ class ModelDescription:
             raise ConversionError(f"{root}: no such directory")
         path = os.path.join(root, "config.yaml")
         if not os.path.exists(path):
-            try:
-                return cls(megatron_lm_run_args(root))  # builds the config: validates it
+            iteration = latest_iteration(root)
+            if iteration is None:
+                raise ConversionError(
+                    f"{root}: not a checkpoint directory (no config.yaml of mea-pretrain or of "
+                    f"this tool, no {TRACKER} of Megatron-LM)"
+                )
+            try:  # building the config validates it
+                return cls(megatron_lm_run_args(checkpoint_dir(root, iteration)))
             except AssertionError as exc:  # Megatron-Core's own checks
                 raise ConversionError(
                     f"{root}: the saved arguments do not describe a model ({exc})"

@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing.mapping import (
 )
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
-from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
+from megatron_mea.checkpoint.errors import CheckpointError
 
 # Messages of the checkpointing module's logger: one place to follow a resume.
 logger = logging.getLogger("megatron_mea.checkpoint.torch_dist.training_state")

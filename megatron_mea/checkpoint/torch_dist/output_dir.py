@@ -9,7 +9,7 @@ import shutil
 import uuid
 from typing import Iterator, List
 
-from megatron_mea.checkpoint.torch_dist.model_only import ConversionError
+from megatron_mea.checkpoint.errors import ConversionError
 
 
 def check_new_directory(path: str) -> None:

@@ -13,18 +13,17 @@ stand-in, so nothing from the file runs, not even the admitted constructors. `lo
 returns the real objects, built from admitted globals only.
 """
 
-import argparse
 import io
-import pathlib
 import pickle
-import types
 import zipfile
 from typing import BinaryIO, FrozenSet, Tuple, Union
 
-__all__ = [
-    "ALLOWED", "MEGATRON_LM_ARGUMENT_CLASSES", "MEGATRON_LM_ARGUMENT_CONTAINERS",
-    "UnsafePickleError", "check_pickle", "check_torch_save", "load_pickle",
-]
+from megatron_mea.checkpoint.megatron_lm.saved_types import (
+    MEGATRON_LM_ARGUMENT_CLASSES,
+    MEGATRON_LM_ARGUMENT_CONTAINERS,
+)
+
+__all__ = ["ALLOWED", "UnsafePickleError", "check_pickle", "check_torch_save", "load_pickle"]
 
 
 class UnsafePickleError(ValueError):
@@ -33,27 +32,6 @@ class UnsafePickleError(ValueError):
 
 _DCP = "torch.distributed.checkpoint"
 _NUMPY_CORE = ("numpy.core.multiarray", "numpy._core.multiarray")
-
-# The containers Megatron-LM's saved arguments and common state hold, read as themselves.
-MEGATRON_LM_ARGUMENT_CONTAINERS = (argparse.Namespace, types.SimpleNamespace, pathlib.PosixPath,
-                                   io.BytesIO)
-
-# Classes of Megatron-Core (and the standard library) that Megatron-LM's saved arguments and
-# common state hold, at core_v0.16.1 and core_v0.19.0 (Megatron-Core's own
-# `dist_checkpointing.safe_globals` list): enum members, the optimizer config, the rerun state
-# machine's state. `megatron_lm.reading` reads them as inert stand-ins, never importing them.
-MEGATRON_LM_ARGUMENT_CLASSES = (
-    "megatron.core.transformer.enums.AttnBackend",
-    "megatron.core.transformer.enums.CudaGraphScope",
-    "megatron.core.transformer.enums.CudaGraphModule",
-    "megatron.core.transformer.enums.InferenceCudaGraphScope",
-    "megatron.core.enums.ModelType",
-    "megatron.core.optimizer.optimizer_config.OptimizerConfig",
-    "megatron.core.rerun_state_machine.RerunDiagnostic",
-    "megatron.core.rerun_state_machine.RerunMode",
-    "megatron.core.rerun_state_machine.RerunState",
-    "signal.Signals",
-)
 
 # (module, name) pairs the checkpoint formats of torch DCP, Megatron-Core and this package use.
 ALLOWED: FrozenSet[Tuple[str, str]] = frozenset(

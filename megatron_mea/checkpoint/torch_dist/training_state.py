@@ -15,9 +15,10 @@ keys, so a checkpoint resumes at any other TP / PP / VPP / EP / DP layout (`load
 only the distributed optimizer's default `dp_reshardable` format is tied to its model-parallel
 layout (refused with a message).
 
-`mea-pretrain` saves and resumes with it (`megatron_mea.apps.training.loop`). The checks that
-refuse a checkpoint before loading are in `checks` (`CheckpointError`, `latest_iteration`,
-`verify_checkpoint`), the restoring of optimizer and scheduler state in `optimizer_state`.
+`mea-pretrain` saves and resumes with it (`megatron_mea.apps.training.loop`). The directory
+layout is `layout`'s, the checks that refuse a checkpoint before loading `checks`'
+(`verify_checkpoint`), those that refuse a resume with other settings `saved_settings`', the
+restoring of optimizer and scheduler state `optimizer_state`'s.
 """
 
 import argparse
@@ -33,25 +34,23 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_mea.checkpoint.torch_dist import integrity, optimizer_state
-from megatron_mea.checkpoint.torch_dist.checks import (
-    TRACKER,
-    CheckpointError,
-    check_data_settings,
-    checkpoint_dir,
-    chunks_of,
-    latest_iteration,
-    setting_changes,
-    verify_checkpoint,
-)
+from megatron_mea.checkpoint.errors import CheckpointError
 from megatron_mea.checkpoint.megatron_lm.writing import CHECKPOINT_VERSION
+from megatron_mea.checkpoint.torch_dist import integrity, optimizer_state
+from megatron_mea.checkpoint.torch_dist.checks import chunks_of, verify_checkpoint
+from megatron_mea.checkpoint.torch_dist.layout import (
+    TRACKER,
+    checkpoint_dir,
+    latest_iteration,
+    write_tracker,
+)
+from megatron_mea.checkpoint.torch_dist.saved_settings import check_data_settings, setting_changes
 from megatron_mea.checkpoint.torch_dist.save_failures import (
     SaveFailed,
     describe_failure,
     is_write_error,
     no_space_left,
 )
-from megatron_mea.runtime.files import atomic_write
 
 __all__ = [
     "SaveFailed",
@@ -229,7 +228,8 @@ def save_checkpoint(
         use_distributed_optimizer, fully_reshardable: select the distributed optimizer's
             sharding type as Megatron-LM does (`dp_reshardable` unless `fully_reshardable`).
         data_settings: the run's vocabulary, tokenizer and sequence length
-            (`megatron_mea.checkpoint.torch_dist.checks.data_settings`), compared on resume.
+            (`megatron_mea.checkpoint.torch_dist.saved_settings.data_settings`), compared on
+            resume.
         megatron_lm_args: the run's arguments as Megatron-LM saves them
             (`checkpoint.megatron_lm.writing.megatron_lm_arguments`, built once per run), saved
             with `consumed_samples` and the checkpoint version so that Megatron-LM's
@@ -308,8 +308,7 @@ def _publish(root: str, final: str, tmp: str, iteration: int) -> None:
     else:
         os.rename(tmp, final)
     try:
-        with atomic_write(os.path.join(root, TRACKER)) as handle:
-            handle.write(str(iteration))
+        write_tracker(root, iteration)
     except OSError:
         os.rename(final, tmp)
         raise
