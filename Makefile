@@ -25,7 +25,7 @@ setup: $(VENV)/.installed
 test: setup
 	$(PY) -m pytest -q tests
 
-# The quick tier for development (the tests marked slow in tests/conftest.py left out).
+# The quick tier for development (the tests marked `pytest.mark.slow` left out).
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" tests
 

@@ -55,6 +55,7 @@ def pretrained(tmp_path_factory):
     return root / "run", run
 
 
+@pytest.mark.slow
 def test_mea_pretrain_console_has_progress_and_metrics_and_its_log_file_megatrons_records(
         pretrained):
     run_dir, run = pretrained
@@ -68,6 +69,7 @@ def test_mea_pretrain_console_has_progress_and_metrics_and_its_log_file_megatron
     assert " iteration      2/2 | lm loss: " in run_log  # this package's records too
 
 
+@pytest.mark.slow
 def test_mea_eval_console_has_no_megatron_notices_patch_list_or_git_error(
         pretrained, tmp_path):
     run_dir, _ = pretrained

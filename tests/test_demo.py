@@ -12,8 +12,14 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from megatron_mea.apps.sweeps.runs import read_metrics
 from tests._dist import standalone_environment
+
+# `make demo`: its reruns, its console and its log files: application code, the same on every
+# Megatron-Core release; tested with one.
+pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16")]
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--corpus-bytes", "200000"]

@@ -10,7 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.test_doc_commands import shell_commands
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

@@ -8,6 +8,8 @@ import pytest
 from tests._dist import run_distributed
 from tests.inference import _workers
 
+pytestmark = pytest.mark.slow
+
 # np 4, ng 4, nc 2 (virtual heads), hn 16, MoE, 3 steps on mock data.
 TINY_RUN = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -8,7 +8,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests._dist import free_port, run_distributed
+
+# torchrun's multi-agent launch: application code, the same on every Megatron-Core release;
+# tested with one.
+pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16")]
 
 ARGS = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

@@ -15,6 +15,8 @@ import torch
 from tests._dist import run_distributed
 from tests._models import read_checkpoint_tensors
 
+pytestmark = pytest.mark.slow
+
 # 4 layers (dense, MoE, dense, MoE): at PP=2 each stage holds one of each; with one layer per
 # virtual stage, stage 0 holds layers 0 and 2 (both dense) and stage 1 layers 1 and 3.
 TINY = [

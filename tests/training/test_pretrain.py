@@ -8,6 +8,8 @@ import pytest
 
 from tests._dist import run_distributed
 
+pytestmark = pytest.mark.slow
+
 SMALL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--num-query-groups", "2", "--seq-length", "64", "--num-experts", "4",

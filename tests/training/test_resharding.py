@@ -20,6 +20,8 @@ from megatron.core import dist_checkpointing
 from tests._dist import run_distributed
 from tests._models import read_checkpoint_tensors
 
+pytestmark = pytest.mark.slow
+
 TINY = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",

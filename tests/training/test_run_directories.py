@@ -23,6 +23,10 @@ from megatron_mea.apps.training.run_dir import (
 )
 from tests._dist import standalone_environment
 
+# The run-directory locks: application code, the same on every Megatron-Core release; tested with
+# one.
+pytestmark = pytest.mark.one_release("0.16")
+
 
 def _args(**kwargs):
     values = dict(save=None, load=None, ckpt_step=None, exit_on_missing_checkpoint=True,
