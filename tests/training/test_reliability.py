@@ -18,19 +18,14 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from megatron_mea import compat
 from tests._dist import free_port, run_distributed, standalone_environment
+from tests._models import tiny_flags
 
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Variables of a launcher around this test session that a CLI run must not inherit.
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",
-    "--moe-ffn-hidden-size", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-    "--mock-data", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
-    "--no-progress-bar", "--attention-variant", "mea",
-]
+TINY = tiny_flags(mock_data=True, attention_variant="mea")
 
 
 def _train(rank, world_size, argv, sabotage=None):
@@ -759,8 +754,8 @@ def _write_data(prefix, documents):
 
 
 def _data_argv(prefix, cache):
-    return [*(a for a in TINY if a != "--mock-data"), "--data-path", prefix, "--split", "1,0,0",
-            "--eval-iters", "0", "--data-cache-path", cache]
+    return tiny_flags(attention_variant="mea", data_path=prefix, split="1,0,0", eval_iters=0,
+                      data_cache_path=cache)
 
 
 # One release: the cache key itself is tested on both, in tests/data.
