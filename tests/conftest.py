@@ -64,8 +64,8 @@ def pytest_collection_modifyitems(config, items):
     """Deselects the tests marked `one_release` with another release series than the installed
     Megatron-Core's: tests of the applications' own behaviour, which does not change with the
     release (the library calls beneath them are tested on both), so that the two CI legs do not
-    both spend their minutes on them. Tests marked `gpu` (the tier in tests/gpu, `pytest -m gpu`) need a CUDA
-    device: skipped without one. (The `slow` marker needs nothing here: `-m` selects on it.)"""
+    both spend their minutes on them. Tests marked `gpu` (the tier in tests/gpu, `pytest -m gpu`)
+    need a CUDA device: skipped without one. (`slow` needs nothing here: `-m` selects on it.)"""
     series = _release_series()
     other = [item for item in items if _release_of(item) not in (None, series)]
     if other:
