@@ -32,7 +32,7 @@ test: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not serial" tests
 	$(PY) -m pytest -q -m serial tests
 
-# The quick tier for development (the tests marked slow left out).
+# The quick tier for development (the tests marked `pytest.mark.slow` left out).
 test-fast: setup
 	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not slow and not serial" tests
 	$(PY) -m pytest -q -m "serial and not slow" tests || [ $$? -eq 5 ]  # 5: none selected

@@ -8,6 +8,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from megatron.core.models.gpt import GPTModel
 
 from megatron_mea import MEATransformerConfig, get_gpt_decoder_block_spec
+from megatron_mea.apps.configs import TINY, flags
 from megatron_mea.cpu import init_cpu_rng_tracker
 
 VOCAB = 96
@@ -69,6 +70,14 @@ def tiny_config(variant="standard", *, tp=1, ep=1, sp=False, moe=True, **overrid
         fields.update(TINY_MOE)
     fields.update(overrides)
     return MEATransformerConfig(**fields)
+
+
+def tiny_flags(**overrides):
+    """The tests' tiny model (`megatron_mea.apps.configs.TINY`: 2 MoE layers, 4 heads in 2
+    groups, hidden 64, sequences of 32) as `mea-pretrain` flags, with `overrides` (argument
+    names; None drops a setting, True is a bare flag): `tiny_flags(mock_data=True,
+    train_iters=4)`. Not `tiny_config`'s model, which the in-process tests build directly."""
+    return flags(TINY, **overrides)
 
 
 def build_gpt(config, seed=1234):

@@ -7,6 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+# The benchmark's byte accounting: application code, the same on every Megatron-Core release;
+# tested with one.
+pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16")]
+
 # The console scripts are installed next to the interpreter running the tests.
 SCRIPT = os.path.join(os.path.dirname(sys.executable), "mea-bench-attention")
 

@@ -13,6 +13,7 @@ import pytest
 from megatron_mea.apps.training.run_dir import RUN_LOG
 from megatron_mea.runtime.quiet import quiet_warnings
 from tests._dist import standalone_environment
+from tests._models import tiny_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,13 +31,8 @@ def test_the_tools_drop_torchs_sharded_tensor_notice_and_keep_others():
 
 
 # A tiny byte-level MoE run (mock data), shared by the console tests of mea-pretrain and mea-eval.
-TINY_RUN = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",
-    "--moe-ffn-hidden-size", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-    "--mock-data", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1",
-    "--no-progress-bar", "--tokenizer-type", "ByteLevelTokenizer", "--train-iters", "2",
-]
+TINY_RUN = tiny_flags(mock_data=True, log_interval=1, tokenizer_type="ByteLevelTokenizer",
+                      train_iters=2)
 # What Megatron-Core logs at INFO on every start: config objects, the parameter names of each
 # gradient bucket, the optimizer's settings (checked to be in the run's log file instead).
 MEGATRON_START_RECORDS = ("DistributedDataParallelConfig(", "Params for bucket",
@@ -55,6 +51,7 @@ def pretrained(tmp_path_factory):
     return root / "run", run
 
 
+@pytest.mark.slow
 def test_mea_pretrain_console_has_progress_and_metrics_and_its_log_file_megatrons_records(
         pretrained):
     run_dir, run = pretrained
@@ -68,6 +65,7 @@ def test_mea_pretrain_console_has_progress_and_metrics_and_its_log_file_megatron
     assert " iteration      2/2 | lm loss: " in run_log  # this package's records too
 
 
+@pytest.mark.slow
 def test_mea_eval_console_has_no_megatron_notices_patch_list_or_git_error(
         pretrained, tmp_path):
     run_dir, _ = pretrained

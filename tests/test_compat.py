@@ -1,5 +1,6 @@
 """megatron_mea.compat: the helpers behave the same on every supported Megatron-Core."""
 
+import pytest
 import torch
 
 from tests._dist import run_distributed
@@ -22,6 +23,7 @@ def _slice(rank, world_size, tp, cp):
     return out
 
 
+@pytest.mark.slow
 def test_batch_is_whole_at_cp1_in_a_two_rank_world():
     # TP=2, CP=1: both ranks keep the whole sequence (Megatron-Core 0.17+ slices over the WORLD
     # group when no CP group is given).
@@ -30,6 +32,7 @@ def test_batch_is_whole_at_cp1_in_a_two_rank_world():
         assert torch.equal(out["position_ids"], torch.arange(16).repeat(2, 1))
 
 
+@pytest.mark.slow
 def test_batch_is_zigzag_sliced_at_cp2():
     outs = run_distributed(_slice, 2, 1, 2)
     assert outs[0]["position_ids"][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]

@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import re
 
+import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -18,6 +19,8 @@ from megatron_mea import MEATransformerConfig, get_gpt_decoder_block_spec
 from tests._dist import run_distributed
 from tests._models import CPU_EXACT, tiny_config
 from tests.distributed import _workers
+
+pytestmark = pytest.mark.slow
 
 FIELDS = {f.name for f in dataclasses.fields(MEATransformerConfig)}
 

@@ -15,6 +15,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
+# The console-script entry points: application code, the same on every Megatron-Core release;
+# tested with one.
+pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16")]
+
 ROOT = Path(__file__).resolve().parents[1]
 with open(ROOT / "pyproject.toml", "rb") as _handle:
     SCRIPTS = tomllib.load(_handle)["project"]["scripts"]

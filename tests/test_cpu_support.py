@@ -31,6 +31,7 @@ print("untouched")
 """
 
 
+@pytest.mark.slow
 def test_nothing_is_patched_when_cuda_is_available():
     assert "untouched" in _run(_WITH_CUDA)
 
@@ -62,6 +63,7 @@ print("restored")
 """
 
 
+@pytest.mark.slow
 def test_patches_are_undone_when_the_outermost_block_ends():
     assert "restored" in _run(_REVERSIBLE)
 

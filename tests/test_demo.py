@@ -17,9 +17,10 @@ import pytest
 from megatron_mea.apps.sweeps.runs import read_metrics
 from tests._dist import standalone_environment
 
-# A drill that waits on wall-clock time (signals, timeouts, a killed process): `make test` runs
-# it in its serial pass, after the parallel one (docs/testing.md).
-pytestmark = pytest.mark.serial
+# `make demo`: its reruns, its console and its log files: application code, the same on every
+# Megatron-Core release; tested with one. Its interruption drill waits on wall-clock time: `make
+# test` runs it in its serial pass, after the parallel one (docs/testing.md).
+pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16"), pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--corpus-bytes", "200000"]

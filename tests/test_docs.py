@@ -13,7 +13,11 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from tests.test_doc_commands import DOCS, shell_commands
+
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")

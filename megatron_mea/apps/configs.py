@@ -6,8 +6,9 @@ holds them (`megatron_mea.model.run_config`); `flags` writes one as command-line
 
 - `DEMO`: the CPU-sized MoE GPT that `make demo`, the learning-rate sweep and the reproduction
   train (4 layers, 2 of them MoE; 8 query heads in 4 KV groups; 4 experts, top-2).
-- `TINY`: the tests' model (2 layers, one MoE; 4 heads in 2 groups; 4 experts): small enough
-  that a test trains it in seconds on one CPU core.
+- `TINY`: the tests' model (2 layers, both MoE with 4 experts; 4 heads in 2 groups; sequences of
+  32), evaluated and logged only at the end of a short run: small enough that a test trains it
+  in seconds on one CPU core.
 """
 
 from typing import List
@@ -46,17 +47,15 @@ TINY = {
     "hidden_size": 64,
     "num_attention_heads": 4,
     "num_query_groups": 2,
-    "seq_length": 64,
+    "seq_length": 32,
     "num_experts": 4,
     "moe_ffn_hidden_size": 64,
     "micro_batch_size": 4,
     "global_batch_size": 8,
-    "lr": 3e-3,
-    "min_lr": 3e-4,
     "eval_interval": 1000,
     "eval_iters": 1,
     "log_interval": 1000,
-    "split": "90,10,0",
+    "no_progress_bar": True,
 }
 
 

@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 from megatron_mea.cli.convert import main
 from tests.checkpoint._hf_models import edited_copy
 
+pytestmark = pytest.mark.slow
+
 
 def test_import_and_export_through_the_command_line(checkpoints, tmp_path, capsys):
     hf_dir, _ = checkpoints.hf("mixtral")

@@ -128,6 +128,7 @@ def test_compressed_mea_keeps_its_head_norm_and_exports_natively(checkpoints, tm
     torch.testing.assert_close(megatron_logits(again, ids), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_norm_then_mix_is_another_function_exported_with_a_component_cache(checkpoints, tmp_path):
     from transformers import AutoModelForCausalLM
 

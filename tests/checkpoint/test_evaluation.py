@@ -12,6 +12,10 @@ from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
 from tests.checkpoint._hf_models import build_hf_model, save_hf_model
 from tests.checkpoint._megatron import megatron_logits, perturb_plugin_params
 
+# The lm-eval harness on an export: application code, the same on every Megatron-Core release;
+# tested with one.
+pytestmark = pytest.mark.one_release("0.16")
+
 REPO = Path(__file__).resolve().parents[2]
 TASK_DIR = REPO / "tests" / "eval_task"
 TASK = "mea_local_choice"
@@ -84,6 +88,7 @@ def test_cli_refuses_a_checkpoint_without_a_tokenizer(single_rank, tmp_path, cap
     assert "needs a vocabulary of >= 257 ids" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_loads_an_older_checkpoint_by_step_or_by_folder(single_rank, tmp_path, monkeypatch,
                                                            capsys):
     """The hint of a corrupt newest checkpoint (`pass --ckpt-step 0`) is a flag mea-eval takes,

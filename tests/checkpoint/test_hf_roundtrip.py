@@ -126,6 +126,7 @@ def _tp2_logits_and_pp2_parameters(rank, world_size, cases, pp_root):
     return logits, params
 
 
+@pytest.mark.slow
 def test_logits_at_tp2_and_ep2_and_parameters_at_pp2_match(checkpoints):
     cases = [
         ("qwen2", "standard", {}, 1),

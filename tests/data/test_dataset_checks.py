@@ -123,6 +123,8 @@ def test_the_index_check_runs_once_per_file_version(prefix, tmp_path, monkeypatc
         check_dataset_files(prefix, str(cache))
 
 
+# mea-pretrain's command line on a damaged index: one release (the checks run on both).
+@pytest.mark.one_release("0.16")
 def test_mea_pretrain_refuses_a_damaged_index_in_one_line(prefix, capsys, tool_logging):
     # The variant that hung mea-pretrain forever with no output (Megatron's epoch sizing loops
     # on a negative token count), refused before any process group or index build.

@@ -125,6 +125,8 @@ def test_nothing_is_published_when_no_document_is_written(tmp_path, tok):
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
+# mea-preprocess's own handling of a full disk: one release (no Megatron-Core beneath it).
+@pytest.mark.one_release("0.16")
 def test_a_full_disk_is_one_line_naming_the_output_and_leaves_nothing(tmp_path, capsys,
                                                                       tool_logging):
     # It printed "error: [Errno 28] No space left on device" naming neither the tool nor the
@@ -259,6 +261,8 @@ MEGATRON_LM_FLAGS = [
 ]
 
 
+# The command line of Megatron-LM's preprocess tool, parsed by mea-preprocess: one release.
+@pytest.mark.one_release("0.16")
 def test_a_megatron_lm_command_line_runs_unchanged(tmp_path, capsys, caplog,
                                                    tool_logging):
     # `--workers` (which Megatron-LM's tool requires), --log-interval, --partitions,

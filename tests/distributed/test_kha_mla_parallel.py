@@ -6,6 +6,8 @@ import pytest
 from tests._dist import run_distributed
 from tests.distributed import _mla_workers
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.parametrize(
     "tp,ep,sp", [(2, 1, True), (1, 2, False)], ids=["tp2-sp", "ep2"]

@@ -7,6 +7,8 @@ import torch
 from tests._dist import run_distributed
 from tests.distributed import _workers
 
+pytestmark = pytest.mark.slow
+
 VARIANTS = [
     ("mea", dict(attention_variant="mea", mea_mix_init="normal")),
     ("mea-virtual", dict(attention_variant="mea", mea_num_kv_components=2, mea_mix_init="normal")),

@@ -6,17 +6,15 @@ import re
 import pytest
 
 from tests._dist import run_distributed
+from tests._models import tiny_flags
 from tests.inference import _workers
 
+pytestmark = pytest.mark.slow
+
 # np 4, ng 4, nc 2 (virtual heads), hn 16, MoE, 3 steps on mock data.
-TINY_RUN = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "4", "--attention-variant", "mea", "--mea-num-kv-components", "2",
-    "--seq-length", "32", "--num-experts", "4", "--moe-ffn-hidden-size", "32",
-    "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "3",
-    "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
-    "--no-progress-bar", "--mock-data",
-]
+TINY_RUN = tiny_flags(num_query_groups=4, attention_variant="mea", mea_num_kv_components=2,
+                      moe_ffn_hidden_size=32, micro_batch_size=2, global_batch_size=2,
+                      train_iters=3, mock_data=True)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from tests._dist import run_distributed
 from tests.checkpoint._hf_models import LLAMA3, build_hf_model, save_hf_model
 from tests.inference import _workers
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 1001  # odd: no TP size > 1 divides it
 NEW_TOKENS = 4
 

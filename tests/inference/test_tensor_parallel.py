@@ -2,6 +2,8 @@
 model, for every variant; the KV cache is sharded by heads: half the components for MEA-half,
 whose decode steps meet in reduce-scatters of the partial scores."""
 
+import pytest
+
 from tests._dist import run_distributed
 from tests.inference import _workers
 from tests.inference._common import (
@@ -13,6 +15,8 @@ from tests.inference._common import (
     VARIANTS,
     kv_cache_bytes_expected,
 )
+
+pytestmark = pytest.mark.slow
 
 # nc = 1 < TP = 2: every rank computes and caches the one component head (duplicated).
 DUPLICATED = ("mea-dup", dict(variant="mea", mea_num_kv_components=1, mea_mix_init="normal"))

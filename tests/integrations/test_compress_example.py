@@ -5,7 +5,11 @@ import os
 import shlex
 import subprocess
 
+import pytest
+
 from megatron_mea.apps.training.arguments import parse_args
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mea_compress_continue.sh")
 

@@ -13,6 +13,8 @@ from megatron_mea.cli.dry_run import main
 from megatron_mea.integrations.dry_run import DryRunError, dry_run
 from megatron_mea.integrations.mlm_flags import MEGATRON_LM_TAGS, installed_tag
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "megatron_lm"
 SIZE_LINE = re.compile(r"params: ([0-9.]+)B total, ([0-9.]+)B active.*KV cache (\d+) B/token")

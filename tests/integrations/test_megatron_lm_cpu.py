@@ -19,6 +19,8 @@ from tests.integrations.megatron_lm_cpu import (
     KHA, LOSS, MEA, MOE, REPO, TINY, TP2_SP, checkpoint_tensors, logged_arg, resumed_losses_match,
     saved_iterations, set_latest_iteration, train)
 
+pytestmark = pytest.mark.slow
+
 ITERS = ["--train-iters", "4"]
 
 

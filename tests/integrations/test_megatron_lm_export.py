@@ -26,6 +26,8 @@ from megatron_mea.checkpoint.torch_dist.layerwise import read_checkpoint
 from tests.integrations.megatron_lm_cpu import (
     KHA, MEA_VARIANT, MOE, TINY, installed_tag, logged_arg, train)
 
+pytestmark = pytest.mark.slow
+
 ATOL = 1e-4
 VOCAB = 256  # NullTokenizer --vocab-size 255 plus its EOD id
 # The KHA recipe's router (examples/megatron_lm/kha_moe_6b_a1b.sh): sigmoid scores, an expert

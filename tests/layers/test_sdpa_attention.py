@@ -268,6 +268,7 @@ def _tp_worker(rank, world_size, variants):
     return results
 
 
+@pytest.mark.slow
 def test_sdpa_equals_megatrons_core_attention_at_tp2_with_sp():
     results = run_distributed(_tp_worker, 2, TP_VARIANTS)
     for rank, per_rank in enumerate(results):

@@ -121,6 +121,7 @@ def test_generate_refuses_an_empty_prompt_before_loading(tmp_path, capsys):
     assert "prompt 1 is empty: a prompt needs at least one token" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_dataset_index_cache_goes_into_the_run_directory(dataset, tmp_path):
     """Read-only data trains: the index caches are written under --save (data_cache/), not next
     to the data, unless --data-cache-path says otherwise."""

@@ -15,6 +15,8 @@ from megatron_mea.apps.training.arguments import parse_args
 from megatron_mea.model.fusions import fusion_settings
 from megatron_mea.model.gpt import build_model, transformer_config
 
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A bf16 MoE run as mea-pretrain would build it on a GPU with the local spec and Megatron's core

@@ -18,6 +18,10 @@ from megatron_mea.apps.sweeps.sweep import (
     summarize_run,
 )
 
+# The LR-sweep driver (grid, resumption, verdicts, plots): application code, the same on every
+# Megatron-Core release; tested with one.
+pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16")]
+
 RULE = StabilityRule(spike_threshold=0.2, spike_window=20, smooth_window=10,
                      divergence_factor=1.0, divergence_rise=0.5)
 

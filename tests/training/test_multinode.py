@@ -11,19 +11,15 @@ import sys
 import pytest
 
 from tests._dist import free_port, run_distributed
+from tests._models import tiny_flags
 
-# A drill that waits on wall-clock time (signals, timeouts, a killed process): `make test` runs
-# it in its serial pass, after the parallel one (docs/testing.md).
-pytestmark = pytest.mark.serial
+# torchrun's multi-agent launch: application code, the same on every Megatron-Core release;
+# tested with one. It waits on wall-clock time: `make test` runs it in its serial pass.
+pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16"), pytest.mark.serial]
 
-ARGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",
-    "--moe-ffn-hidden-size", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-    "--mock-data", "--eval-iters", "0", "--log-interval", "1", "--no-progress-bar",
-    "--train-iters", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--attention-variant", "kha",
-    "--tensor-model-parallel-size", "2", "--sequence-parallel",
-]
+ARGS = tiny_flags(mock_data=True, eval_interval=None, eval_iters=0, log_interval=1, train_iters=4,
+                  lr=3e-3, min_lr=3e-4, attention_variant="kha", tensor_model_parallel_size=2,
+                  sequence_parallel=True)
 # Variables of an enclosing launcher that would change what torchrun sets up.
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS")

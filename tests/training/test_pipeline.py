@@ -13,17 +13,14 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
-from tests._models import read_checkpoint_tensors
+from tests._models import read_checkpoint_tensors, tiny_flags
+
+pytestmark = pytest.mark.slow
 
 # 4 layers (dense, MoE, dense, MoE): at PP=2 each stage holds one of each; with one layer per
 # virtual stage, stage 0 holds layers 0 and 2 (both dense) and stage 1 layers 1 and 3.
-TINY = [
-    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",
-    "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "[0,1,0,1]", "--micro-batch-size", "2",
-    "--global-batch-size", "8", "--mock-data", "--eval-iters", "0", "--log-interval", "1000",
-    "--no-progress-bar", "--train-iters", "4", "--lr", "3e-3", "--min-lr", "3e-4",
-]
+TINY = tiny_flags(num_layers=4, moe_layer_freq="[0,1,0,1]", micro_batch_size=2, mock_data=True,
+                  eval_interval=None, eval_iters=0, train_iters=4, lr=3e-3, min_lr=3e-4)
 VARIANTS = {
     # Virtual heads (1 component for 2 groups) with the `weights` exchange (folded, per-step
     # fold cache flushed in finalize_model_grads).

@@ -7,14 +7,11 @@ import os
 import pytest
 
 from tests._dist import run_distributed
+from tests._models import tiny_flags
 
-SMALL = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "64", "--num-experts", "4",
-    "--moe-ffn-hidden-size", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-    "--lr", "3e-3", "--min-lr", "3e-4", "--eval-interval", "1000", "--eval-iters", "1",
-    "--log-interval", "1000", "--no-progress-bar", "--split", "90,10,0",
-]
+pytestmark = pytest.mark.slow
+
+SMALL = tiny_flags(seq_length=64, lr=3e-3, min_lr=3e-4, split="90,10,0")
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +126,10 @@ def test_tensor_parallel_run_matches_the_single_process_run(tmp_path):
     # Dense standard attention on mock data: TP=2+SP (and plain DP=2) must train like one
     # process. Each rank must see whole sequences at CP=1 (Megatron-Core 0.17+ sliced them over
     # the world when the CP group was not passed).
-    common = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-              "--seq-length", "64", "--num-experts", "0", "--micro-batch-size", "2",
-              "--global-batch-size", "4", "--train-iters", "3", "--eval-interval", "1000",
-              "--eval-iters", "1", "--log-interval", "1000", "--no-progress-bar", "--mock-data",
-              "--attention-variant", "standard", "--data-cache-path", str(tmp_path / "cache")]
+    common = tiny_flags(num_query_groups=None, seq_length=64, num_experts=0,
+                        moe_ffn_hidden_size=None, micro_batch_size=2, global_batch_size=4,
+                        train_iters=3, mock_data=True, attention_variant="standard",
+                        data_cache_path=str(tmp_path / "cache"))
     single = run_distributed(_train, 1, common)[0]
     tp_sp = run_distributed(
         _train, 2, [*common, "--tensor-model-parallel-size", "2", "--sequence-parallel"]

@@ -3,7 +3,13 @@ each: MEA and KHA-MLP, 3 steps), and the report with its tables and plots."""
 
 import os
 
+import pytest
+
 from tests.training.test_lr_sweep import TINY
+
+# The reproduction driver: application code, the same on every Megatron-Core release; tested with
+# one.
+pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16")]
 
 
 def test_smoke_run_writes_the_report_with_both_studies(tmp_path):

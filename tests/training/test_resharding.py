@@ -18,15 +18,12 @@ import torch
 from megatron.core import dist_checkpointing
 
 from tests._dist import run_distributed
-from tests._models import read_checkpoint_tensors
+from tests._models import read_checkpoint_tensors, tiny_flags
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",
-    "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "[0,1]", "--micro-batch-size", "4",
-    "--global-batch-size", "8", "--mock-data", "--eval-iters", "0", "--log-interval", "1000",
-    "--no-progress-bar", "--train-iters", "9", "--lr", "3e-3", "--min-lr", "3e-4",
-]
+pytestmark = pytest.mark.slow
+
+TINY = tiny_flags(moe_layer_freq="[0,1]", mock_data=True, eval_interval=None, eval_iters=0,
+                  train_iters=9, lr=3e-3, min_lr=3e-4)
 VARIANTS = {
     # Virtual heads (1 component for 2 groups; at TP=2 both ranks hold the component) and the
     # `weights` exchange (HLC folded into linear_qkv).

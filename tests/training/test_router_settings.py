@@ -7,19 +7,17 @@ import pytest
 import torch
 
 from tests._dist import run_distributed
+from tests._models import tiny_flags
 from tests.training.test_pretrain import _train
 
 ROUTER = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4", "--moe-router-topk", "2",
-    "--moe-ffn-hidden-size", "32", "--moe-layer-freq", "[1,0]", "--micro-batch-size", "2",
-    "--global-batch-size", "4", "--lr", "3e-3", "--min-lr", "3e-4", "--eval-interval", "1000",
-    "--eval-iters", "0", "--log-interval", "1000", "--no-progress-bar", "--mock-data",
-    "--vocab-size", "300", "--train-iters", "8", "--attention-variant", "kha", "--kha-variant",
-    "mlp", "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
-    "--moe-router-bias-update-rate", "1e-2", "--moe-router-dtype", "fp32",
-    "--moe-router-load-balancing-type", "none", "--moe-router-topk-scaling-factor", "2.0",
-    "--moe-shared-expert-intermediate-size", "48",
+    *tiny_flags(moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq="[1,0]",
+                micro_batch_size=2, global_batch_size=4, lr=3e-3, min_lr=3e-4, eval_iters=0,
+                mock_data=True, vocab_size=300, train_iters=8),
+    "--attention-variant", "kha", "--kha-variant", "mlp", "--moe-router-score-function", "sigmoid",
+    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+    "--moe-router-dtype", "fp32", "--moe-router-load-balancing-type", "none",
+    "--moe-router-topk-scaling-factor", "2.0", "--moe-shared-expert-intermediate-size", "48",
 ]
 BIAS = "decoder.layers.0.mlp.router.expert_bias"
 

@@ -22,10 +22,12 @@ from megatron_mea.apps.training.run_dir import (
     claim_run_directories,
 )
 from tests._dist import standalone_environment
+from tests._models import tiny_flags
 
-# A drill that waits on wall-clock time (signals, timeouts, a killed process): `make test` runs
-# it in its serial pass, after the parallel one (docs/testing.md).
-pytestmark = pytest.mark.serial
+# The run-directory locks: application code, the same on every Megatron-Core release; tested with
+# one. Its drills wait on wall-clock time (a killed writer): `make test` runs them in its serial
+# pass, after the parallel one (docs/testing.md).
+pytestmark = [pytest.mark.one_release("0.16"), pytest.mark.serial]
 
 
 def _args(**kwargs):
@@ -135,13 +137,7 @@ def test_continuing_keeps_the_metrics_and_a_new_run_moves_them_aside(tmp_path):
 
 # ---- the command line: a second writer, a SIGKILLed run, a typo in --load -------------------
 
-TINY = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--num-query-groups", "2", "--seq-length", "32", "--num-experts", "4",
-    "--moe-ffn-hidden-size", "64", "--micro-batch-size", "4", "--global-batch-size", "8",
-    "--mock-data", "--eval-interval", "1000", "--eval-iters", "1", "--log-interval", "1000",
-    "--no-progress-bar", "--attention-variant", "mea",
-]
+TINY = tiny_flags(mock_data=True, attention_variant="mea")
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
