@@ -18,11 +18,12 @@ import sys
 
 import yaml
 
-from megatron_mea.cli.demo import DEMO_CONFIG, prepare_data
+from megatron_mea.apps.configs import DEMO
+from megatron_mea.apps.corpus import prepare_data
 
 
 # The demo's training settings (a compressed checkpoint's config.yaml holds the model only).
-TRAINING = [f"--{key.replace('_', '-')}={DEMO_CONFIG[key]}" for key in (
+TRAINING = [f"--{key.replace('_', '-')}={DEMO[key]}" for key in (
     "split", "micro_batch_size", "global_batch_size", "weight_decay", "clip_grad", "eval_iters",
     "log_interval")]
 
@@ -58,10 +59,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     from megatron_mea.cpu import megatron_on_cpu
     from megatron_mea.data.samples import load_tokens
+    from megatron_mea.runtime.console import print_progress
 
+    print_progress("megatron_mea.apps.corpus")  # its "[demo] data: ..." line
     os.makedirs(args.out, exist_ok=True)
     prefix = prepare_data(args.out, args.corpus_bytes)
-    config = dict(DEMO_CONFIG, qk_layernorm=True, train_iters=args.baseline_iters,
+    config = dict(DEMO, qk_layernorm=True, train_iters=args.baseline_iters,
                   save_interval=args.baseline_iters, eval_interval=args.baseline_iters)
     config_path = os.path.join(args.out, "baseline.yaml")
     with open(config_path, "w", encoding="utf-8") as handle:
@@ -88,15 +91,15 @@ def main(argv=None):
             run("pretrain", "--config", source_config, "--load", path(name), "--save", trained,
                 "--data-path", prefix, "--train-iters", str(start + args.continue_iters),
                 "--save-interval", str(args.continue_iters), "--eval-interval",
-                str(args.continue_iters), "--lr", str(DEMO_CONFIG["min_lr"]), "--min-lr",
-                str(DEMO_CONFIG["min_lr"]), "--lr-decay-style", "constant",
+                str(args.continue_iters), "--lr", str(DEMO["min_lr"]), "--min-lr",
+                str(DEMO["min_lr"]), "--lr-decay-style", "constant",
                 "--lr-warmup-iters", "0", "--no-load-optim", "--no-load-rng",
                 "--override-opt-param-scheduler", "--no-progress-bar", *TRAINING)
         with open(os.path.join(trained, "metrics.jsonl"), encoding="utf-8") as handle:
             records = [json.loads(line) for line in handle]
         valid[f"{name}-continued"] = [r["valid loss"] for r in records if "valid loss" in r][-1]
     with megatron_on_cpu():
-        tokens = load_tokens(prefix, DEMO_CONFIG["seq_length"], args.eval_samples)
+        tokens = load_tokens(prefix, DEMO["seq_length"], args.eval_samples)
         results = {name: mean_loss(path(name), tokens)
                    for name in ("baseline", *orders, "baseline-continued",
                                 *(f"{n}-continued" for n in orders))}

@@ -1,6 +1,6 @@
 """`mea-convert`: HF <-> Megatron (`torch_dist`) checkpoints, upcycling, MEA KV compression.
 
-A thin command line over `megatron_mea.checkpoint`::
+A thin command line over `megatron_mea.checkpoint` (the sub-commands: `megatron_mea.apps.convert`)::
 
     # HF -> Megatron, as the baseline, MEA (identity mixing) or KHA (identity) for continued
     # pretraining; the checkpoint loads at any TP / PP / EP
@@ -27,120 +27,20 @@ naming the file, tensor or field; usage errors too); 1 on a failure at run time.
 """
 
 import argparse
-import contextlib
 import logging
-import os
 import sys
 
-import torch
-
+from megatron_mea.apps import convert
 from megatron_mea.cpu import megatron_on_cpu
 from megatron_mea.runtime.argparsing import ArgumentParser
-from megatron_mea.runtime.files import no_room_cause
+from megatron_mea.runtime.console import print_progress
 from megatron_mea.variant import choices, field_help
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-
-
-def _import_hf(args):
-    from megatron_mea.checkpoint.hf.importing import import_hf_checkpoint
-
-    parallel = {
-        name: getattr(args, name)
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "expert_model_parallel_size")
-        if getattr(args, name) is not None
-    }
-    import_hf_checkpoint(
-        args.hf_dir,
-        args.save,
-        attention_variant=args.attention_variant,
-        mea_head_norm=args.mea_head_norm,
-        kha_variant=args.kha_variant,
-        kha_targets=args.kha_targets,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-        parallel=parallel,
-    )
-    print(f"wrote {args.save} (continue with: mea-pretrain --config {args.save}/config.yaml "
-          f"--load {args.save} ...)")
-
-
-@contextlib.contextmanager
-def _reading_load(args):
-    """Yields the iteration of `--load` this command reads (`--iteration`, or the one `latest`
-    names), fixed before reading; after the block, a line names what was read (a rewound run's
-    directory may hold several checkpoints of one iteration over time)."""
-    from megatron_mea.checkpoint.torch_dist.checks import ITER_DIR
-    from megatron_mea.checkpoint.torch_dist.model_only import resolve_checkpoint
-
-    # A missing checkpoint is refused, named; `--load DIR/iter_XXXXXXX` names its iteration.
-    directory = resolve_checkpoint(args.load, args.iteration)
-    iteration = int(ITER_DIR.match(os.path.basename(directory)).group(1))
-    yield iteration
-    print(f"mea-convert {args.command}: read iteration {iteration} from {args.load}")
-
-
-def _convert_load(args, convert, *positional, **options):
-    """`convert(--load, --save, *positional, iteration=..., **options)`: a conversion of the
-    iteration `_reading_load` fixes; returns what `convert` returns."""
-    with _reading_load(args) as iteration:
-        return convert(args.load, args.save, *positional, iteration=iteration, **options)
-
-
-def _export_hf(args):
-    from megatron_mea.checkpoint.hf.exporting import export_hf_checkpoint
-
-    fmt = _convert_load(
-        args,
-        export_hf_checkpoint,
-        format=args.format,
-        reference=args.reference,
-        dtype=DTYPES[args.dtype] if args.dtype else None,
-        max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
-    )
-    hint = (" (import megatron_mea.integrations.transformers or pass trust_remote_code=True)"
-            if fmt == "native" else "")
-    print(f"wrote {args.save} in the {fmt} format{hint}")
-
-
-def _compress(args):
-    from megatron_mea.checkpoint.transforms.compress import compress_checkpoint
-    from megatron_mea.checkpoint.transforms.compress import kv_heads_per_layer
-
-    target = _convert_load(
-        args,
-        compress_checkpoint,
-        args.num_kv_components,
-        layers=args.layers,
-        mea_head_norm=args.mea_head_norm,
-        mea_key_norm_before_mix=args.mea_key_norm_before_mix,
-    )
-    written = kv_heads_per_layer(target.config)
-    print(f"wrote {args.save} (MEA; K/V heads per layer, cached: {written})")
-
-
-def _probe(args):
-    from megatron_mea.checkpoint.torch_dist.model_only import ModelDescription
-    from megatron_mea.checkpoint.transforms.compress import probe_layers, select_layers
-    from megatron_mea.data.samples import load_tokens
-
-    num_layers = ModelDescription.load(args.load).args.num_layers
-    layers = select_layers(args.layers, num_layers)
-    tokens = load_tokens(args.data_path, args.seq_length, args.num_samples)
-    with _reading_load(args) as iteration:
-        result = probe_layers(args.load, tokens, args.num_kv_components, layers=layers,
-                              micro_batch_size=args.micro_batch_size, iteration=iteration)
-        print(result.table())
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (one sub-command per conversion)."""
-    parser = ArgumentParser(
-        prog="mea-convert",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = ArgumentParser(prog="mea-convert", description=__doc__.split("\n\n")[0],
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quiet", action="store_true", help="only warnings and errors")
     commands = parser.add_subparsers(dest="command", required=True)
     # --quiet also after the sub-command; SUPPRESS keeps a sub-command without it from
@@ -164,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=field_help("kha_variant"))
     imp.add_argument("--kha-targets", nargs="+", choices=choices("kha_targets"), default=None,
                      help=field_help("kha_targets"))
-    imp.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+    imp.add_argument("--dtype", choices=tuple(convert.DTYPES), default=None,
                      help="checkpoint dtype. Default: the HF config's (bf16 or fp32)")
     imp.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                      help="pad the vocabulary to a multiple of this (a multiple of the "
@@ -173,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                  "expert-model-parallel-size"):
         imp.add_argument(f"--{name}", type=int, default=None,
                          help="recorded in config.yaml (the checkpoint loads at any layout)")
-    imp.set_defaults(run=_import_hf)
+    imp.set_defaults(run=convert.import_hf)
 
     exp = commands.add_parser("export-hf", parents=[quiet],
                               help="torch_dist -> Hugging Face safetensors")
@@ -183,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--reference", default=None,
                      help="HF directory whose config.json is the template "
                           "(e.g. the model the run was upcycled from)")
-    exp.add_argument("--dtype", choices=tuple(DTYPES), default=None)
+    exp.add_argument("--dtype", choices=tuple(convert.DTYPES), default=None)
     exp.add_argument("--iteration", "--ckpt-step", dest="iteration", type=int, default=None,
                      help="default: the latest")
     exp.add_argument("--max-shard-size-gb", type=float, default=5.0)
-    exp.set_defaults(run=_export_hf)
+    exp.set_defaults(run=convert.export_hf)
 
     for name, helptext in (("compress", "MEA post-hoc KV compression (SVD over K/V heads)"),
                            ("probe", "loss increase of compressing each layer alone")):
@@ -210,13 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(norm-then-mix: a different function, served by stock "
                                   "multi-query attention over the components); default: "
                                   "mix, then norm each composite key, as the source computes")
-            sub.set_defaults(run=_compress)
+            sub.set_defaults(run=convert.compress)
         else:
             sub.add_argument("--data-path", required=True, help="Megatron .bin/.idx prefix")
             sub.add_argument("--seq-length", type=int, default=1024)
             sub.add_argument("--num-samples", type=int, default=16)
             sub.add_argument("--micro-batch-size", type=int, default=4)
-            sub.set_defaults(run=_probe)
+            sub.set_defaults(run=convert.probe)
     return parser
 
 
@@ -226,39 +126,22 @@ def main(argv=None) -> int:
 
     Args:
         argv: the arguments. Default: `sys.argv[1:]`.
-
     Returns:
-        The exit status: 0 done; 2 refused input (`mea-convert: error: ...` on stderr, one
-        line; argparse's usage errors too); 1 a failure at run time (an unreadable or
-        unwritable file).
+        The exit status: 0 done; 2 refused input (`mea-convert: error: ...` on stderr, one line;
+        argparse's usage errors too); 1 a failure at run time (an unreadable, unwritable file).
     """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING if args.quiet else logging.INFO,
                         format="%(asctime)s %(levelname)s %(message)s")
-    from megatron_mea.checkpoint.torch_dist.checks import ConversionError
-    from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
-
+    print_progress(convert.__name__)
     try:
         args.run(args)
-    except (ConversionError, CheckpointError, ValueError) as exc:
-        # A refused input (ConversionError and CheckpointError are ValueErrors).
-        print(f"mea-convert: error: {exc}", file=sys.stderr)
-        return 2
-    except BaseException as exc:  # torch.distributed.checkpoint's CheckpointException, which
-        # wraps the writers' errors, is a BaseException. A failure at run time: exit 1; anything
-        # else (a bug, Ctrl-C) goes on as it came.
-        save = getattr(args, "save", None)
-        cause = no_room_cause(exc, save) if save else None
-        if cause is not None:
-            # torch.save, safetensors and Python's files each say it their own way (torch:
-            # "unexpected pos N vs M"); the staged output is already removed.
-            print(f"mea-convert: error: {save}: {cause}; nothing written (the partial output "
-                  "was removed)", file=sys.stderr)
-            return 1
-        if isinstance(exc, OSError):  # unreadable inputs, unwritable outputs
-            print(f"mea-convert: error: {exc}", file=sys.stderr)
-            return 1
-        raise
+    except BaseException as exc:
+        refused = convert.refusal(exc, getattr(args, "save", None))
+        if refused is None:
+            raise
+        print(refused[1], file=sys.stderr)
+        return refused[0]
     return 0
 
 

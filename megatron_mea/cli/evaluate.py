@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 
-from megatron_mea.cli._console import configure_console
+from megatron_mea.runtime.console import configure_console
 from megatron_mea.runtime.argparsing import ArgumentParser
 
 

@@ -33,49 +33,25 @@ skipped), so that the script keeps working without a GPU; `tests/test_gpu_accept
     bash scripts/gpu_acceptance.sh                 # GPU machine: install wheels/, then this
     python -m megatron_mea.cli.gpu_acceptance --cpu-smoke --out /tmp/smoke
 
-The steps live in `megatron_mea.apps.acceptance`. This module and that package import only the
-standard library at load time: the bootstrap installs the wheels
-(`python -m megatron_mea.apps.acceptance.install`) before megatron-core is there.
+The run and its steps live in `megatron_mea.apps.acceptance` (`session`, `runner`). This module
+and that package import only the standard library at load time: the bootstrap installs the
+wheels (`python -m megatron_mea.apps.acceptance.install`) before megatron-core is there.
 """
 
 import argparse
 import dataclasses
-import logging
 import os
-import shutil
 import sys
-import tempfile
 
-from megatron_mea.apps.acceptance.pack import pack_report
 from megatron_mea.apps.acceptance.plans import GPU_PLAN, SMOKE_PLAN
-from megatron_mea.apps.acceptance.report import summary
-from megatron_mea.apps.acceptance.runner import Runner
+from megatron_mea.apps.acceptance.session import STEPS, log_to_stdout, run_acceptance
 from megatron_mea.apps.acceptance.worker import train_worker
 from megatron_mea.runtime.argparsing import ArgumentParser
-
-logger = logging.getLogger("megatron_mea.apps.acceptance")
-
-
-def _log_to_stdout(console_log=None) -> None:
-    """The acceptance modules' progress lines on stdout, prefixed, and in `console_log` if
-    given; Megatron's own INFO logs stay quiet as in any process that configures no logging."""
-    for handler in list(logger.handlers):  # main() called again in one process
-        logger.removeHandler(handler)
-        handler.close()
-    handlers = [logging.StreamHandler(sys.stdout)]
-    if console_log:
-        handlers.append(logging.FileHandler(console_log, encoding="utf-8"))
-    for handler in handlers:
-        handler.setFormatter(logging.Formatter("[acceptance] %(message)s"))
-        logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The flags (the hidden ones are the bootstrap's and the training worker's)."""
-    parser = ArgumentParser(prog="mea-gpu-acceptance",
-                                     description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="mea-gpu-acceptance", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None,
                         help="where the packed report goes, at most four files "
                              "(default: $OUT, else runs/gpu_acceptance)")
@@ -85,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpu-smoke", action="store_true",
                         help="every step at tiny sizes on the CPU (no GPU needed)")
     parser.add_argument("--skip", nargs="+", default=[],
-                        choices=["gpu_tests", "training", "decode_bench", "paged_kernel",
-                                 "megatron_lm", "layer_bench"],
+                        choices=[name for name, _ in STEPS],
                         help="steps to leave out")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the GPU's dense bf16 peak for MFU (default: from its name)")
@@ -111,7 +86,7 @@ def main(argv=None) -> int:
     """
     args = build_parser().parse_args(argv)
     if args.train_worker:
-        _log_to_stdout()
+        log_to_stdout()
         return train_worker(args.train_worker)
 
     import torch
@@ -132,33 +107,7 @@ def main(argv=None) -> int:
         print("mea-gpu-acceptance: --report-dir must differ from --out (the report is packed "
               "into --out)", file=sys.stderr)
         return 2
-    shutil.rmtree(report_dir, ignore_errors=True)
-    os.makedirs(report_dir)
-    _log_to_stdout(os.path.join(report_dir, "console.log"))
-    scratch = tempfile.mkdtemp(prefix="mea-acceptance-")
-    try:
-        runner = Runner(plan, report_dir, args.peak_tflops, scratch)
-        logger.info("mode %s, report %s, packed into %s, budget %s s", plan.mode, report_dir,
-                    out, plan.budget_s)
-        runner.step("environment", runner.environment, 0)
-        steps = [("gpu_tests", runner.gpu_tests, 30), ("training", runner.training, 60),
-                 ("decode_bench", runner.decode_bench, 30),
-                 ("paged_kernel", runner.paged_kernel, 20),
-                 ("megatron_lm", runner.megatron_lm, 40),
-                 ("layer_bench", runner.layer_bench, 30)]
-        for name, function, minimum in steps:
-            if name not in args.skip:
-                runner.step(name, function, minimum)
-        status = runner.finish()
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    text = summary(runner.result)
-    print("\n" + text, flush=True)
-    with open(os.path.join(report_dir, "console.log"), "a", encoding="utf-8") as handle:
-        handle.write("\n" + text + "\n")
-    written = pack_report(report_dir, out)
-    logger.info("packed the report into %s: %s", out, ", ".join(written))
-    return status
+    return run_acceptance(plan, report_dir, out, args.peak_tflops, args.skip)
 
 
 if __name__ == "__main__":

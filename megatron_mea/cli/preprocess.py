@@ -17,107 +17,67 @@ disk: one line naming the output, the partial output removed), 2 on a usage erro
 """
 
 import argparse
-import glob
 import logging
-import os
 import sys
 
-from megatron_mea.data.preprocess import PreprocessError, preprocess_files
+from megatron_mea.data.preprocess import (
+    IGNORED_FLAGS,
+    IGNORED_WHY,
+    PreprocessError,
+    expand_inputs,
+    preprocess_files,
+)
 from megatron_mea.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 from megatron_mea.runtime.argparsing import ArgumentParser
 
 
 def _parse_args(argv):
-    parser = ArgumentParser(
-        prog="mea-preprocess", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = ArgumentParser(prog="mea-preprocess", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
-    group.add_argument(
-        "--input",
-        nargs="+",
-        required=True,
-        metavar="PATH",
-        help="input files or glob patterns (quoted), read in the order given, each glob sorted",
-    )
-    group.add_argument(
-        "--json-keys",
-        nargs="+",
-        default=["text"],
-        metavar="KEY",
-        help="the JSON field holding the text (one key; default: text)",
-    )
+    group.add_argument("--input", nargs="+", required=True, metavar="PATH",
+                       help="input files or glob patterns (quoted), read in the order given, "
+                            "each glob sorted")
+    group.add_argument("--json-keys", nargs="+", default=["text"], metavar="KEY",
+                       help="the JSON field holding the text (one key; default: text)")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="local tokenizer directory (HuggingFaceTokenizer only; nothing is downloaded)",
-    )
-    group.add_argument(
-        "--append-eod",
-        action="store_true",
-        help="append the end-of-document token to each document",
-    )
+    group.add_argument("--tokenizer-model", default=None,
+                       help="local tokenizer directory (HuggingFaceTokenizer only; nothing is "
+                            "downloaded)")
+    group.add_argument("--append-eod", action="store_true",
+                       help="append the end-of-document token to each document")
     group = parser.add_argument_group("output data")
-    group.add_argument(
-        "--output-prefix",
-        required=True,
-        help="write <prefix>.bin and <prefix>.idx; the directory is created",
-    )
-    group.add_argument(
-        "--strict",
-        action="store_true",
-        help="treat any malformed input as fatal: write nothing and exit 2",
-    )
+    group.add_argument("--output-prefix", required=True,
+                       help="write <prefix>.bin and <prefix>.idx; the directory is created")
+    group.add_argument("--strict", action="store_true",
+                       help="treat any malformed input as fatal: write nothing and exit 2")
     group.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    group.add_argument(
-        "--max-errors-shown", type=int, default=10, help="errors listed in the summary (default 10)"
-    )
+    group.add_argument("--max-errors-shown", type=int, default=10,
+                       help="errors listed in the summary (default 10)")
     group.add_argument("--log-interval", type=int, default=None, metavar="N",
                        help="log the documents processed (docs/s, MB/s) every N documents, as "
                             "Megatron-LM's tool does (default: the progress bar only)")
     group = parser.add_argument_group(
         "Megatron-LM's flags without a meaning here (accepted; each given one is named in one "
         "line, then ignored)")
-    for flag, kind in _IGNORED_FLAGS:
+    for flag, kind in IGNORED_FLAGS:
         if kind is bool:
-            group.add_argument(flag, action="store_true", help=_IGNORED[_dest(flag)])
+            group.add_argument(flag, action="store_true", help=IGNORED_WHY[_dest(flag)])
         else:
             group.add_argument(flag, type=kind, default=None, metavar="N",
                                nargs="+" if flag == "--workers-to-check" else None,
-                               help=_IGNORED[_dest(flag)])
+                               help=IGNORED_WHY[_dest(flag)])
     args = parser.parse_args(argv)
     if args.log_interval is not None and args.log_interval < 1:
         parser.error(f"--log-interval must be at least 1, got {args.log_interval}")
     if len(args.json_keys) != 1:
         parser.error(f"--json-keys takes one key here, got {len(args.json_keys)}")
-    args.paths = _expand_inputs(parser, args.input)
+    try:
+        args.paths = expand_inputs(args.input)
+    except ValueError as exc:
+        parser.error(f"--input {exc}")
     return args
-
-
-# Flags of Megatron-LM's tools/preprocess_data.py (core_v0.16.1 to core_v0.19.0 and later) that
-# mean nothing here, and why: a Megatron-LM command line runs unchanged.
-_IGNORED_FLAGS = (
-    ("--workers", int), ("--partitions", int), ("--keep-sequential-samples", bool),
-    ("--split-sentences", bool), ("--keep-newlines", bool), ("--lang", str),
-    ("--find-optimal-num-workers", bool), ("--workers-to-check", int),
-    ("--max-documents", int), ("--performance-dir", str),
-)
-_ONE_PROCESS = "one process tokenizes here"
-_IGNORED = {
-    "workers": _ONE_PROCESS,
-    "partitions": "the inputs are read in one pass, in the order given",
-    "keep_sequential_samples": "documents are always written in input order",
-    "split_sentences": "each document is written whole, as one sequence: GPT pretraining "
-                       "samples documents, sentence-level data is for BERT-style models",
-    "keep_newlines": "it qualifies --split-sentences",
-    "lang": "it qualifies --split-sentences",
-    "find_optimal_num_workers": _ONE_PROCESS,
-    "workers_to_check": _ONE_PROCESS,
-    "max_documents": "it qualifies --find-optimal-num-workers",
-    "performance_dir": "it qualifies --find-optimal-num-workers",
-}
 
 
 def _dest(flag: str) -> str:
@@ -125,26 +85,11 @@ def _dest(flag: str) -> str:
 
 
 def ignored_flags_note(args) -> str:
-    """One line naming each given flag of `_IGNORED_FLAGS` and why it means nothing here ("" for
+    """One line naming each given flag of `IGNORED_FLAGS` and why it means nothing here ("" for
     none)."""
-    given = [f"{flag} ({_IGNORED[_dest(flag)]})" for flag, _ in _IGNORED_FLAGS
+    given = [f"{flag} ({IGNORED_WHY[_dest(flag)]})" for flag, _ in IGNORED_FLAGS
              if getattr(args, _dest(flag)) not in (None, False)]
     return f"mea-preprocess: ignored: {'; '.join(given)}" if given else ""
-
-
-def _expand_inputs(parser, patterns):
-    paths = []
-    for pattern in patterns:
-        if glob.has_magic(pattern):
-            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-            if not matches:
-                parser.error(f"--input pattern {pattern!r} matches no file")
-            paths.extend(matches)
-        elif os.path.isfile(pattern):
-            paths.append(pattern)
-        else:
-            parser.error(f"--input {pattern!r} is not a file")
-    return paths
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ record from INFO (Megatron-Core's config dumps, gradient buckets, dataset builde
 
 import sys
 
-from megatron_mea.cli._console import configure_console
+from megatron_mea.runtime.console import configure_console
 from megatron_mea.cpu import megatron_on_cpu
 
 

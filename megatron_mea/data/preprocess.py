@@ -17,11 +17,13 @@ crash never leaves a half-written dataset under `output_prefix`.
 """
 
 import contextlib
+import glob
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import List
 
 import numpy
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
@@ -40,6 +42,52 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 # Each error is logged up to this many times; all of them are kept in the summary regardless.
 _MAX_LOGGED_ERRORS = 100
+
+
+# Flags of Megatron-LM's tools/preprocess_data.py (core_v0.16.1 to core_v0.19.0 and later) that
+# mean nothing to `preprocess_files`, and why: `mea-preprocess` accepts them, so that a
+# Megatron-LM command line runs unchanged.
+IGNORED_FLAGS = (
+    ("--workers", int), ("--partitions", int), ("--keep-sequential-samples", bool),
+    ("--split-sentences", bool), ("--keep-newlines", bool), ("--lang", str),
+    ("--find-optimal-num-workers", bool), ("--workers-to-check", int),
+    ("--max-documents", int), ("--performance-dir", str),
+)
+_ONE_PROCESS = "one process tokenizes here"
+IGNORED_WHY = {
+    "workers": _ONE_PROCESS,
+    "partitions": "the inputs are read in one pass, in the order given",
+    "keep_sequential_samples": "documents are always written in input order",
+    "split_sentences": "each document is written whole, as one sequence: GPT pretraining "
+                       "samples documents, sentence-level data is for BERT-style models",
+    "keep_newlines": "it qualifies --split-sentences",
+    "lang": "it qualifies --split-sentences",
+    "find_optimal_num_workers": _ONE_PROCESS,
+    "workers_to_check": _ONE_PROCESS,
+    "max_documents": "it qualifies --find-optimal-num-workers",
+    "performance_dir": "it qualifies --find-optimal-num-workers",
+}
+
+
+def expand_inputs(patterns: List[str]) -> List[str]:
+    """The input files `patterns` name, in order: a file as given, a glob (`**` included) as the
+    sorted files it matches.
+
+    Raises:
+        ValueError: a glob matches no file, or a name that is no glob is not a file.
+    """
+    paths = []
+    for pattern in patterns:
+        if glob.has_magic(pattern):
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+            if not matches:
+                raise ValueError(f"pattern {pattern!r} matches no file")
+            paths.extend(matches)
+        elif os.path.isfile(pattern):
+            paths.append(pattern)
+        else:
+            raise ValueError(f"{pattern!r} is not a file")
+    return paths
 
 
 @dataclass

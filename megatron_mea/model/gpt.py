@@ -6,12 +6,9 @@ description of `megatron_mea.model.args` with the layout, precision and implemen
 checkpoint's model is the same model whoever builds it.
 """
 
-import os
-from datetime import timedelta
 from typing import Literal, Optional
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from torch.overrides import TorchFunctionMode
@@ -20,7 +17,7 @@ from megatron_mea.config import MEATransformerConfig
 from megatron_mea.cpu import init_cpu_rng_tracker
 from megatron_mea.model.args import RunArgs, config_fields, gpt_model_kwargs, parallel_sizes
 from megatron_mea.model.fusions import fusion_settings
-from megatron_mea.runtime.process_groups import set_up_world_of_one
+from megatron_mea.runtime.process_groups import start_process_groups
 from megatron_mea.specs import get_gpt_decoder_block_spec
 
 __all__ = ["build_model", "initialize", "transformer_config"]
@@ -145,14 +142,8 @@ def initialize(args: RunArgs, timeout_minutes: Optional[float] = None) -> None:
             (`--distributed-timeout-minutes`). Default: None, torch's and Megatron's defaults.
     """
     on_gpu = torch.cuda.is_available()
-    if not dist.is_initialized():
-        set_up_world_of_one()
-        if on_gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
-        dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout)
-    groups = {} if timeout_minutes is None else {"distributed_timeout_minutes": timeout_minutes}
-    parallel_state.initialize_model_parallel(**parallel_sizes(args), **groups)
+    start_process_groups("nccl" if on_gpu else "gloo", parallel_sizes=parallel_sizes(args),
+                         timeout_minutes=timeout_minutes)
     # Same seed on every rank: replicated parameters start identical (Megatron-LM offsets the
     # seed by pipeline stage only).
     seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()

@@ -121,7 +121,7 @@ def test_largest_stable_lr_is_the_largest_finished_lr_that_did_not_diverge():
 @pytest.mark.parametrize("preset", ["cpu", "gpu"])
 def test_every_preset_run_passes_mea_pretrain_validation(preset, tmp_path):
     from megatron_mea.apps.sweeps.runs import prepare_sweep
-    from megatron_mea.cli.lr_sweep import build_parser, check_commands, resolve
+    from megatron_mea.apps.sweeps.lr_sweep import build_parser, check_commands, resolve
 
     # Validation reads the dataset's index: a real one, with documents for every split.
     from megatron_mea.data import ByteLevelTokenizer, preprocess_files
@@ -140,7 +140,7 @@ def test_every_preset_run_passes_mea_pretrain_validation(preset, tmp_path):
 def test_gpu_preset_has_the_shape_of_the_papers_lr_study(tmp_path):
     """Warm-up then constant LR, warm-up 40% of the run (1,000 of 2,500 steps in the paper); the
     spike and divergence criteria start after it."""
-    from megatron_mea.cli.lr_sweep import PRESETS, build_parser, resolve
+    from megatron_mea.apps.sweeps.lr_sweep import PRESETS, build_parser, resolve
 
     config = PRESETS["gpu"]["train_config"]
     assert config["lr_decay_style"] == "constant"

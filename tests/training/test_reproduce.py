@@ -13,7 +13,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.one_release("0.16")]
 
 
 def test_smoke_run_writes_the_report_with_both_studies(tmp_path):
-    from megatron_mea.cli.reproduce import STUDIES, main
+    from megatron_mea.apps.sweeps.reproduce import STUDIES
+    from megatron_mea.cli.reproduce import main
     from megatron_mea.data import build_stdlib_corpus, build_tokenizer, preprocess_files
 
     corpus = str(tmp_path / "corpus.jsonl")
@@ -44,8 +45,9 @@ def test_smoke_run_writes_the_report_with_both_studies(tmp_path):
 
 def test_every_run_of_the_full_studies_passes_mea_pretrain_validation(tmp_path):
     from megatron_mea.apps.sweeps.runs import prepare_sweep
-    from megatron_mea.cli import lr_sweep
-    from megatron_mea.cli.reproduce import STUDIES, build_parser, sweep_argv
+    from megatron_mea.apps.sweeps import lr_sweep
+    from megatron_mea.apps.sweeps.reproduce import STUDIES, sweep_argv
+    from megatron_mea.cli.reproduce import build_parser
     from megatron_mea.data import ByteLevelTokenizer, preprocess_files
 
     (tmp_path / "data.jsonl").write_text("".join('{"text": "doc %d"}\n' % i for i in range(1000)))

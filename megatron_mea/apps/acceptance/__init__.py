@@ -8,7 +8,8 @@
 - `worker`: the training runs, stepped through mea-pretrain's `Trainer` in one subprocess;
 - `megatron_lm`: the step that runs Megatron-LM's own `pretrain_gpt.py`;
 - `report`: checks and rates from the raw records, and the text summary;
-- `pack`: the report folder packed into at most four files.
+- `pack`: the report folder packed into at most four files;
+- `session`: one run, from the report folder through the steps to the packed report.
 
 Every module imports only the standard library at load time: the bootstrap installs the wheels
 before megatron-core is there.

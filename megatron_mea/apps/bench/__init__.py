@@ -1,2 +1,3 @@
-"""The pieces of the benchmarks: `mea-bench-attention` (`steps`, `collectives`) and
-`mea-bench-serve` (`serve_exports`, `serve_rounds`, `serve_report`)."""
+"""The benchmarks: `mea-bench-attention` (`attention`: the rounds and the table; `steps`,
+`collectives`), `mea-bench-decode` (`decode`) and `mea-bench-serve` (`serve`: the rounds;
+`serve_exports`, `serve_rounds`, `serve_report`)."""

@@ -10,7 +10,7 @@ import os
 
 from megatron_mea.apps.bench.steps import LayerStep
 from megatron_mea.cpu import megatron_on_cpu
-from megatron_mea.runtime.process_groups import free_port
+from megatron_mea.runtime.process_groups import free_port, start_process_groups
 from megatron_mea.runtime.quiet import quiet_warnings  # the workers are part of the CLI's run
 
 
@@ -49,16 +49,14 @@ def count_bytes_worker(rank, world_size, port, args, out_dir):
     """One rank of the byte count: every variant's layer at TP=world_size with SP, fp32 on CPU."""
     import torch
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from megatron_mea.cpu import init_cpu_rng_tracker
     from megatron_mea.parallel.comm_counter import CollectiveCounter
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     quiet_warnings()
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    start_process_groups("gloo", rank=rank, world_size=world_size, port=port,
+                         parallel_sizes={"tensor_model_parallel_size": world_size})
     init_cpu_rng_tracker(args.seed)
     args = argparse.Namespace(**{**vars(args), "device": "cpu", "bf16": False,
                                  "transformer_engine": False,

@@ -330,3 +330,12 @@ def _stop_message(log_path: str) -> str:
     with open(log_path, encoding="utf-8", errors="replace") as handle:
         lines = [line for line in handle if line.startswith(_STOPPED)]
     return lines[-1][len(_STOPPED):].strip() if lines else ""
+
+
+def write_summary(out: str, table: str) -> str:
+    """Keep a tool's summary `table` as `out/summary.txt` (what `mea-demo` and `mea-lr-sweep`
+    print); returns the path."""
+    path = os.path.join(out, "summary.txt")
+    with atomic_write(path) as handle:
+        handle.write(table + "\n")
+    return path

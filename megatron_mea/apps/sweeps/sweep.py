@@ -2,8 +2,8 @@
 
 Pure functions over loss curves (lists of `metrics.jsonl` records), so the definitions are
 testable on constructed curves and a finished sweep can be re-judged with other thresholds
-without retraining. Running the sweep is `megatron_mea.apps.sweeps.runs`; the command line is
-`megatron_mea.cli.lr_sweep`.
+without retraining. Running the sweep is `megatron_mea.apps.sweeps.lr_sweep` (one run:
+`megatron_mea.apps.sweeps.runs`); the command line is `megatron_mea.cli.lr_sweep`.
 
 Definitions (every number is a field of `StabilityRule`; steps are optimizer iterations):
 

@@ -47,7 +47,7 @@ from megatron_mea.model.args import MODEL_FIELDS, RunArgs, derived_sizes, moe_la
 from megatron_mea.model.gpt import transformer_config
 from megatron_mea.model.run_config import load_run_args, save_config
 from megatron_mea.runtime.files import atomic_write
-from megatron_mea.runtime.process_groups import free_port
+from megatron_mea.runtime.process_groups import start_process_groups
 
 logger = logging.getLogger(__name__)
 
@@ -173,11 +173,7 @@ def converter_process() -> Iterator[None]:
     from megatron_mea.cpu import init_cpu_rng_tracker
 
     own_group = not dist.is_initialized()
-    if own_group:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    if dist.get_world_size() != 1:
+    if not own_group and dist.get_world_size() != 1:
         raise RuntimeError("the checkpoint converters run in a single process (world size 1)")
     own_state = not parallel_state.model_parallel_is_initialized()
     if not own_state and (
@@ -187,7 +183,7 @@ def converter_process() -> Iterator[None]:
     ) != (1, 1, 1):
         raise RuntimeError("the checkpoint converters need Megatron's parallel state at size 1")
     if own_state:
-        parallel_state.initialize_model_parallel()
+        start_process_groups("gloo", rank=0, world_size=1)
         init_cpu_rng_tracker()  # the probe runs real models (CUDA trackers on a GPU)
     try:
         yield
