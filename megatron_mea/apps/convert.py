@@ -47,7 +47,7 @@ def _reading_load(args):
     """Yields the iteration of `--load` this command reads (`--iteration`, or the one `latest`
     names), fixed before reading; after the block, a line names what was read (a rewound run's
     directory may hold several checkpoints of one iteration over time)."""
-    from megatron_mea.checkpoint.torch_dist.checks import ITER_DIR
+    from megatron_mea.checkpoint.torch_dist.layout import ITER_DIR
     from megatron_mea.checkpoint.torch_dist.model_only import resolve_checkpoint
 
     # A missing checkpoint is refused, named; `--load DIR/iter_XXXXXXX` names its iteration.

@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         generate,
         load_for_inference,
     )
-    from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
+    from megatron_mea.checkpoint.errors import CheckpointError
 
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)

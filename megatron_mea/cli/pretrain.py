@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"mea-pretrain: error: {exc}", file=sys.stderr)
         return 2
-    from megatron_mea.checkpoint.torch_dist.checks import CheckpointError
+    from megatron_mea.checkpoint.errors import CheckpointError
     from megatron_mea.data import DatasetError
     from megatron_mea.apps.training.errors import (
         CollectiveTimeout,

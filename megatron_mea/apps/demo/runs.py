@@ -28,13 +28,13 @@ from typing import Optional, Tuple
 
 from megatron_mea._optional import import_extra
 from megatron_mea.checkpoint.torch_dist import integrity
-from megatron_mea.checkpoint.torch_dist.checks import (
-    CheckpointError,
+from megatron_mea.checkpoint.errors import CheckpointError
+from megatron_mea.checkpoint.torch_dist.layout import (
     checkpoint_dir,
     latest_iteration,
+    saved_iterations,
 )
 from megatron_mea.apps.sweeps.runs import child_env, read_metrics, resume_point
-from megatron_mea.apps.training.run_dir import saved_iterations
 from megatron_mea.runtime.files import atomic_write
 
 RECORD = "demo.json"

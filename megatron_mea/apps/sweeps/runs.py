@@ -32,7 +32,7 @@ import yaml
 
 import megatron_mea
 from megatron_mea.apps.sweeps.sweep import VARIANTS
-from megatron_mea.checkpoint.torch_dist.checks import latest_iteration
+from megatron_mea.checkpoint.torch_dist.layout import latest_iteration
 from megatron_mea.runtime.files import atomic_write
 
 RESULT = "result.json"

@@ -18,7 +18,7 @@ Three rules, checked on rank 0 before any model is built (`claim_run_directories
 
 Rank 0 of a run that passed these checks also keeps a log file there (`RUN_LOG`, appended to by
 every run of the directory): every log record from INFO, Megatron-Core's included, which the
-console leaves out (`megatron_mea.cli._console`).
+console leaves out (`megatron_mea.runtime.console`).
 """
 
 import fcntl
@@ -30,9 +30,6 @@ import time
 from typing import Optional, Tuple
 
 from megatron_mea.checkpoint.torch_dist import layout
-
-# cli/_demo_runs imports it from here (issue 50: remove once it imports it from `layout`).
-saved_iterations = layout.saved_iterations
 
 logger = logging.getLogger(__name__)
 
@@ -262,7 +259,7 @@ def attach_run_log(root: str) -> logging.Handler:
     process and its command line) until `detach_run_log`; returns the handler.
 
     The root logger's level decides what reaches the file: the tools set INFO
-    (`megatron_mea.cli._console`); a program that calls the trainer itself keeps its own level.
+    (`megatron_mea.runtime.console`); a program that calls the trainer itself keeps its own level.
     """
     handler = logging.FileHandler(os.path.join(root, RUN_LOG), encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -21,15 +21,6 @@ from megatron_mea.checkpoint.torch_dist import integrity
 from megatron_mea.checkpoint.torch_dist.layout import missing_checkpoint
 from megatron_mea.checkpoint.torch_dist.safe_pickle import UnsafePickleError
 
-# Names cli/ (convert, _demo_runs, generate, pretrain) and apps/sweeps still import from here;
-# they belong to `checkpoint.errors` and `layout` (issue 50: remove once those import them there).
-from megatron_mea.checkpoint.errors import ConversionError  # noqa: F401
-from megatron_mea.checkpoint.torch_dist.layout import (  # noqa: F401
-    ITER_DIR,
-    checkpoint_dir,
-    latest_iteration,
-)
-
 logger = logging.getLogger(__name__)
 
 # Optimizer tensors (checkpoints of earlier versions prefix a ChainedOptimizer's with chained_N.).
