@@ -122,24 +122,6 @@ def summarize(results: dict) -> str:
     return "\n".join(lines)
 
 
-def summarize(results: dict) -> str:
-    """The summary table per variant: final train / validation loss, throughput, KV-cache
-    bytes per token and the greedy sample."""
-    lines = [f"{'variant':<10}{'train loss':>12}{'valid loss':>12}{'tokens/s':>10}{'wall s':>8}"
-             f"{'KV B/token':>12}  greedy sample"]
-    for name, result in results.items():
-        records = result["records"]
-        tail = records[-10:]
-        train = sum(r["lm loss"] for r in tail) / len(tail)
-        valid = [r["valid loss"] for r in records if "valid loss" in r][-1]
-        rates = sorted(r["tokens/s"] for r in records)
-        lines.append(
-            f"{name:<10}{train:>12.4f}{valid:>12.4f}{rates[len(rates) // 2]:>10.0f}"
-            f"{result['seconds']:>8.0f}{result['kv_bytes_per_token']:>12d}  {result['sample']!r}"
-        )
-    return "\n".join(lines)
-
-
 def plot(results: dict, path: str) -> None:
     """Training loss (smoothed) and validation loss per variant, one PNG."""
     import_extra("matplotlib", "the demo's plot").use("Agg")
