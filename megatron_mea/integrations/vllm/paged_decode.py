@@ -102,21 +102,12 @@ def _decode_group(query, rows, table, lengths, num_scales, scale, blocks_per_til
     tile = blocks_per_tile * block_size
     # One buffer for every tile's rows (a fresh one per tile would be mapped page by page).
     buffer = torch.empty(num_requests * tile * rows.shape[-1], dtype=rows.dtype, device=device)
-    # [blocks, bs*C], a view of the cache: a block's rows are contiguous in vLLM's layout (its
-    # block stride may be wider).
-    if rows.stride(2) != 1 or rows.stride(1) != rows.shape[2]:
-        raise ValueError(f"the scaled-components cache's rows must be contiguous per block "
-                         f"(strides {tuple(rows.stride())})")
-    flat_rows = rows.as_strided((rows.shape[0], block_size * rows.shape[2]), (rows.stride(0), 1))
     for first in range(0, lengths[0], tile):
         active = sum(1 for length in lengths if length > first)  # a prefix: longest first
         columns = table[:active, first // block_size: first // block_size + blocks_per_tile]
         span = columns.shape[1] * block_size
-        chunk = buffer[:active * span * rows.shape[-1]].view(-1, block_size * rows.shape[-1])
-        # Whole blocks as flat rows: torch's CPU index_select of a 3-d tensor copies slice by
-        # slice through a TensorIterator, ~100x slower than of the same bytes as 2-d rows
-        # (149 against 1.1 ms for 16 blocks of 128 x 260 fp32, torch 2.13).
-        torch.index_select(flat_rows, 0, columns.reshape(-1), out=chunk)
+        chunk = buffer[:active * span * rows.shape[-1]].view(-1, block_size, rows.shape[-1])
+        torch.index_select(rows, 0, columns.reshape(-1), out=chunk)
         chunk = chunk.view(active, span, -1)  # [R', L, C]
         keys = chunk[:, :, :width]
         scales = chunk[:, :, width:width + groups]
