@@ -80,11 +80,15 @@ def _threads(count):
     if count is None or count >= before:
         yield
         return
-    torch.set_num_threads(count)
+    # torch's own setter: vLLM's CPU worker replaces `torch.set_num_threads` with one that only
+    # logs a warning, to keep its threads on the cores it bound them to. That binding is by
+    # OpenMP thread number (the OMP/GOMP/KMP affinity variables it sets), which a smaller team
+    # keeps: the team of one is the worker's own thread, and the full team comes back after.
+    torch._C.set_num_threads(count)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        torch._C.set_num_threads(before)
 
 
 def _decode_group(query, rows, table, lengths, num_scales, scale, blocks_per_tile):
