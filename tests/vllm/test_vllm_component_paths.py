@@ -148,7 +148,10 @@ def test_component_cache_attention_equals_attention_over_the_composite_heads(
         meta = plan(common, layer.isa, NP, head_size, dtype)
         assert meta.trick_requests == leading_decodes(starts)  # a layout read back
     output = torch.zeros(query.shape[0], NP, WIDTH, dtype=dtype)
+    threads = torch.get_num_threads()
     impl.forward(layer, query, key, value, kv_cache, meta, output)
+    # `paged_decode` runs on one thread and hands the engine's count back.
+    assert torch.get_num_threads() == threads
 
     tolerance = 1e-10 if dtype == torch.float64 else 2e-5
     for request, (query_all, keys, values) in enumerate(data):

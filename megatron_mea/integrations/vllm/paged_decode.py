@@ -23,12 +23,21 @@ Shape legend: `R` decode requests, `np` query heads of this rank, `ng` its compo
 `L` positions of a tile.
 """
 
+import contextlib
+
 import torch
 
 # Positions per tile: a few blocks, so a step costs a handful of torch calls per tile.
 TILE_TOKENS = 256
 # Rows gathered at once (a group of requests times a tile).
 GATHER_ROWS = 1024
+# torch's intra-op threads for a CPU decode. Its ops are small (a tile is a few hundred KiB) and
+# many (about ten per tile and group of requests, eight layers a step), and each parallel op is
+# a fork and join of the OpenMP team, which waits for a scheduler turn of every thread whenever
+# the cores are shared: on the 2-core machine at load 25, one layer's decode of 8 requests x
+# 600 positions (hd64) took a median of 693 ms on 2 threads and 6.9 ms on one (1.7 against
+# 2.8 ms at best, the machine momentarily free).
+CPU_THREADS = 1
 
 
 def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -54,13 +63,32 @@ def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     group = max(1, gather_rows // (blocks_per_tile * block_size))
     order = sorted(range(query.shape[0]), key=lambda request: -seq_lens[request])
     output = torch.empty_like(query)
-    for first in range(0, len(order), group):
-        members = torch.tensor(order[first:first + group], device=query.device)
-        output[members] = _decode_group(query[members], kv_cache[:, 0],
-                                        block_table[members].long(),
-                                        [seq_lens[m] for m in order[first:first + group]],
-                                        num_scales, scale, blocks_per_tile)
+    with _threads(CPU_THREADS if query.device.type == "cpu" else None):
+        for first in range(0, len(order), group):
+            members = torch.tensor(order[first:first + group], device=query.device)
+            output[members] = _decode_group(query[members], kv_cache[:, 0],
+                                            block_table[members].long(),
+                                            [seq_lens[m] for m in order[first:first + group]],
+                                            num_scales, scale, blocks_per_tile)
     return output
+
+
+@contextlib.contextmanager
+def _threads(count):
+    """torch's intra-op threads set to `count` (None: left alone) inside, put back after."""
+    before = torch.get_num_threads()
+    if count is None or count >= before:
+        yield
+        return
+    # torch's own setter: vLLM's CPU worker replaces `torch.set_num_threads` with one that only
+    # logs a warning, to keep its threads on the cores it bound them to. That binding is by
+    # OpenMP thread number (the OMP/GOMP/KMP affinity variables it sets), which a smaller team
+    # keeps: the team of one is the worker's own thread, and the full team comes back after.
+    torch._C.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch._C.set_num_threads(before)
 
 
 def _decode_group(query, rows, table, lengths, num_scales, scale, blocks_per_tile):
