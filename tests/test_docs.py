@@ -62,7 +62,9 @@ def test_preprocess_writes_what_the_training_examples_read(tmp_path):
 def test_the_eval_and_generate_examples_load_the_demos_run_directories():
     demo = (ROOT / "megatron_mea" / "cli" / "demo.py").read_text(encoding="utf-8")
     out = re.search(r'"--out", default="([^"]+)"', demo).group(1)
-    assert 'os.path.join(args.out, "runs", name)' in demo  # where the demo writes each variant
+    pipeline = (ROOT / "megatron_mea" / "apps" / "demo" / "pipeline.py").read_text(
+        encoding="utf-8")
+    assert 'os.path.join(args.out, "runs", name)' in pipeline  # where the demo writes a variant
     # The examples on the demo's checkpoints (others name placeholders: CKPT, /ckpt/kha).
     docs = "\n".join(path.read_text(encoding="utf-8") for path in DOCS)
     loads = [load for load in re.findall(r"mea-(?:eval|generate) --load (\S+)", docs)

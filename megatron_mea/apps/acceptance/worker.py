@@ -90,6 +90,7 @@ def train_one(argv: List[str], seconds: float) -> dict:
         telemetry = trainer.telemetry.read() or telemetry
     finally:
         parallel_state.destroy_model_parallel()
+    args = trainer.args  # the run's settings: the parsed arguments with the vocabulary resolved
     result = {
         "argv": argv,
         "build_s": build_s,
