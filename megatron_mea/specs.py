@@ -160,10 +160,12 @@ _ATTENTION_SPECS = {
 _MLA_ATTENTION_SPECS = {KHASelfAttention: _kha_mla_attention}
 
 
-def _swap_layer(layer_spec: ModuleSpec, module: type, config) -> ModuleSpec:
+def _swap_layer(layer_spec: ModuleSpec, config) -> ModuleSpec:
+    """`layer_spec` with the self-attention of `config`'s variant (itself where it has it)."""
+    module = attention_module(config)
     attention = layer_spec.submodules.self_attention
-    if attention.module in (module, _MLA_MODULES.get(module)):
-        return layer_spec  # built for this variant already
+    if module is SelfAttention or attention.module in (module, _MLA_MODULES.get(module)):
+        return layer_spec  # a plain config, or built for this variant already
     if attention.module is MLASelfAttention:
         if module not in _MLA_ATTENTION_SPECS:
             raise ValueError(f"{module.__name__} has no multi-latent attention counterpart")
@@ -192,10 +194,7 @@ def apply_attention_variant(
     """
     if getattr(config, "num_moe_experts", None):
         bind_te_general_gemm_without_te()
-    module = attention_module(config)
-    if module is SelfAttention:
-        return spec
-    return _map_layers(spec, lambda layer_spec: _swap_layer(layer_spec, module, config))
+    return _map_layers(spec, lambda layer_spec: _swap_layer(layer_spec, config))
 
 
 def _map_layers(spec, swap):

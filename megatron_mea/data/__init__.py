@@ -39,6 +39,7 @@ __all__ = [
     "PreprocessError",
     "PreprocessSummary",
     "build_gpt_datasets",
+    "build_gpt_datasets_rank_zero_first",
     "build_stdlib_corpus",
     "build_tokenizer",
     "preprocess_files",
@@ -200,3 +201,17 @@ def build_gpt_datasets(
     )
     train, valid, test = builder.build()
     return train, valid, test
+
+
+def build_gpt_datasets_rank_zero_first(settings: DatasetSettings, tokenizer) -> tuple:
+    """`build_gpt_datasets` on every rank of the default process group, rank 0 first: it writes
+    the index caches under `settings.cache_dir` (Megatron's sample indices, the record of checked
+    .idx files), which the other ranks then read instead of building them again. A collective.
+    """
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        datasets = build_gpt_datasets(settings, tokenizer)
+    torch.distributed.barrier()
+    if rank != 0:
+        datasets = build_gpt_datasets(settings, tokenizer)
+    return datasets

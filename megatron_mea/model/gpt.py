@@ -103,20 +103,18 @@ def build_model(
             meta device, unwrapped: keys and shapes with no memory for the weights).
             Default: `run`.
     """
-    use_te = args.transformer_impl == "transformer_engine"
-    spec = get_gpt_decoder_block_spec(
-        config,
-        use_transformer_engine=use_te,
-        vp_stage=vp_stage,
-        core_attention=core_attention or args.core_attention,
-    )
     kwargs = dict(
         config=config,
-        transformer_layer_spec=spec,
         **gpt_model_kwargs(args),
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,
+    )
+    kwargs["transformer_layer_spec"] = get_gpt_decoder_block_spec(
+        config,
+        use_transformer_engine=args.transformer_impl == "transformer_engine",
+        vp_stage=vp_stage,
+        core_attention=core_attention or args.core_attention,
     )
     if placement == "meta":
         with torch.device("meta"), _AllOnMeta():

@@ -616,13 +616,13 @@ def test_a_duplicate_sigterm_is_held_and_a_real_second_signal_exits_at_once(seco
 SIGNAL_DURING_SET_UP = """
 import os, signal, sys
 if __name__ == "__main__":
-    from megatron_mea.apps.training import setup
+    from megatron_mea import data
     from megatron_mea.cli.pretrain import main
-    build = setup.build_datasets
+    build = data.build_gpt_datasets_rank_zero_first
     def signal_then_build(*args, **kwargs):
         os.killpg(os.getpgid(0), getattr(signal, sys.argv[1]))
         return build(*args, **kwargs)
-    setup.build_datasets = signal_then_build
+    data.build_gpt_datasets_rank_zero_first = signal_then_build
     sys.exit(main(sys.argv[2:]))
 """
 
@@ -706,14 +706,14 @@ def test_a_stopped_rank_ends_the_run_within_the_timeout_naming_it(tmp_path):
 STOP_DURING_SET_UP = """
 import os, signal, sys
 if __name__ == "__main__":
-    from megatron_mea.apps.training import setup
+    from megatron_mea import data
     from megatron_mea.cli.pretrain import main
-    build = setup.build_datasets
+    build = data.build_gpt_datasets_rank_zero_first
     def stop_then_build(*args, **kwargs):
         if os.environ["RANK"] == "1":
             os.kill(os.getpid(), signal.SIGSTOP)
         return build(*args, **kwargs)
-    setup.build_datasets = stop_then_build
+    data.build_gpt_datasets_rank_zero_first = stop_then_build
     sys.exit(main(sys.argv[1:]))
 """
 

@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import track_moe_metrics
 
+from megatron_mea import data
 from megatron_mea._optional import import_extra
 from megatron_mea.apps.training import errors, processes, run_dir, setup
 from megatron_mea.apps.training.arguments import PretrainArgs
@@ -180,7 +181,11 @@ class Trainer:
                 raise saved_settings.explain_model_mismatch(args.load, args, exc) from None
             self.last_checkpoint = (args.load, self.iteration)
         self._next_stage("building the datasets' indices")
-        self.train_data, self.valid_data = setup.build_datasets(settings)
+        if args.save and self.rank == 0:
+            save_config(args, args.save)
+        self.train_data, valid, _ = data.build_gpt_datasets_rank_zero_first(
+            settings.datasets, settings.tokenizer)
+        self.valid_data = None if args.eval_iters == 0 else valid
         self.train_batches = self._batches(self.train_data, consumed)
         self.valid_consumed = 0
         self.nan_streak = 0
@@ -188,8 +193,6 @@ class Trainer:
         self.telemetry = GpuTelemetry()
         self.tensorboard = TensorBoard(args.tensorboard_dir if self.rank == 0 else None)
         self.moe_track_names = settings.moe_track_names
-        if args.save and self.rank == 0:
-            save_config(args, args.save)
 
     def close(self) -> None:
         """Stop the heartbeat, close the run's log file, release the lock on --save (the end

@@ -142,15 +142,18 @@ def check_load(args) -> bool:
     )
 
 
-def check_save(args, loads: bool) -> None:
+def check_save(args) -> bool:
     """Refuse a `--save` holding checkpoints of a run this one does not continue (unless
-    `--overwrite-save`), and move that run's `metrics.jsonl` aside where this is a new run.
+    `--overwrite-save`), and move that run's `metrics.jsonl` aside where this is a new run;
+    returns whether `--load` has a checkpoint to load (`check_load`: whether this run continues
+    the one in `--save` depends on it).
 
     `--load DIR --ckpt-step N --save DIR` continues the run in DIR from N: the checkpoints after
     N belong to the run being abandoned. Refused unless `--rewind-save`; then they move aside
     (`layout.rewind`), so that DIR holds one run."""
+    loads = check_load(args)
     if not args.save:
-        return
+        return loads
     root = args.save
     if not (loads and _same_directory(args.load, root)):
         held = layout.held_checkpoint(root)
@@ -169,12 +172,12 @@ def check_save(args, loads: bool) -> None:
             os.rename(metrics, f"{metrics}.{number}")
             logger.warning("--save %s: a new run; the previous run's %s is now %s.%d",
                            root, METRICS, METRICS, number)
-        return
+        return loads
     step = args.ckpt_step
     # Nothing to abandon, or N is not there (the load names that).
     later = layout.later_checkpoints(root, step) if step is not None else []
     if not later:
-        return
+        return loads
     if not args.rewind_save:
         raise RunDirectoryError(
             f"--save {root}: --ckpt-step {step} rewinds the run there, which has "
@@ -184,6 +187,7 @@ def check_save(args, loads: bool) -> None:
     aside = layout.rewind(root, step)
     logger.warning("--save %s: rewound to iteration %d; the %d later checkpoint(s) moved to %s",
                    root, step, len(later), aside)
+    return loads
 
 
 def claim_run_directories(args) -> Tuple[Optional[SaveLock], bool]:
@@ -206,8 +210,7 @@ def claim_run_directories(args) -> Tuple[Optional[SaveLock], bool]:
             raise RunDirectoryError(f"--save {args.save}: cannot write there "
                                     f"({_why(exc)})") from None
     try:
-        loads = check_load(args)
-        check_save(args, loads)
+        loads = check_save(args)
     except BaseException as exc:
         if lock is not None:
             lock.release()

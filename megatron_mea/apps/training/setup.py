@@ -186,18 +186,3 @@ def setup_model_and_optimizer(
     config.finalize_model_grads_func = finalize
     config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, scheduler
-
-
-def build_datasets(settings: RunSettings) -> tuple:
-    """(train, validation) GPT datasets of the run; validation is None without evaluation
-    (`--eval-iters 0`). Rank 0 builds first and writes the dataset index caches; the others
-    read them."""
-    from megatron_mea.data import build_gpt_datasets
-
-    rank = dist.get_rank()
-    if rank == 0:
-        datasets = build_gpt_datasets(settings.datasets, settings.tokenizer)
-    dist.barrier()
-    if rank != 0:
-        datasets = build_gpt_datasets(settings.datasets, settings.tokenizer)
-    return datasets[0], None if settings.args.eval_iters == 0 else datasets[1]
