@@ -72,10 +72,7 @@ def run_acceptance(plan: Plan, report_dir: str, out: str, peak_tflops: Optional[
         status = runner.finish()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    text = summary(runner.result)
-    print("\n" + text, flush=True)
-    with open(os.path.join(report_dir, "console.log"), "a", encoding="utf-8") as handle:
-        handle.write("\n" + text + "\n")
+    logger.info("summary:\n%s", summary(runner.result))
     written = pack_report(report_dir, out)
     logger.info("packed the report into %s: %s", out, ", ".join(written))
     return status
