@@ -16,7 +16,9 @@ from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
 from megatron_mea.integrations.vllm.attention import VLLMHeadMix
 from megatron_mea.integrations.vllm.components_cpu import ComponentsImpl, plan
-from megatron_mea.integrations.vllm.prefill import leading_decodes
+from megatron_mea.integrations.vllm.paged_decode import paged_decode, torch_paged_decode
+from megatron_mea.integrations.vllm.prefill import GroupMix, leading_decodes
+from megatron_mea.ops import cpu_decode
 from megatron_mea.integrations.vllm.scaled_cache import (
     ScaledComponentsImpl,
     ScaledComponentsMetadata,
@@ -32,9 +34,9 @@ BATCHES = {
     "chunk": [(6, 5)],  # alone: its components read back from one block are all it attends
     "mixed": [(12, 1), (30, 1), (0, 9), (6, 5), (33, 3)],
 }
-# (layout, dtype, block size): the scaled layout's prefill in fp64 takes torch's SDPA, in fp32
-# vLLM's C++ kernel; the plain component cache is vLLM's, read back in its "vec16" (16-token
-# blocks) and "vec" (32) layouts.
+# (layout, dtype, block size): the scaled layout's prefill in fp64 takes torch's SDPA and its
+# decode torch (`torch_paged_decode`), in fp32 vLLM's C++ kernel and the compiled decode; the plain
+# component cache is vLLM's, read back in its "vec16" (16-token blocks) and "vec" (32) layouts.
 LAYOUTS = [("scaled", torch.float64, 16), ("scaled", torch.float32, 16),
            ("components", torch.float32, 16), ("components", torch.float32, 32)]
 
@@ -160,3 +162,34 @@ def test_component_cache_attention_equals_attention_over_the_composite_heads(
                                    value_mix, weight, scale)
         torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
     assert not output[starts[-1]:].any()
+
+
+def test_torch_decode_equals_the_compiled_one():
+    """The scaled layout's two CPU decodes agree in fp32: `paged_decode` takes the compiled loop
+    (the tier's machines have a C compiler), and the torch tiles and request groups (here
+    32-token tiles in groups of 2) with the mixes around them give the same outputs. (In bf16
+    the torch path's GEMMs round to bf16; the compiled loop's bf16 reads are held to fp64
+    attention in tests/test_cpu_decode.py.)"""
+    torch.manual_seed(0)
+    block, lengths = 16, [299, 40, 12, 5, 1]
+    counts = [-(-length // block) for length in lengths]
+    kv_cache = torch.randn(sum(counts) + 2, 1, block, 2 * WIDTH + NG)
+    kv_cache[..., WIDTH:WIDTH + NG] = kv_cache[..., WIDTH:WIDTH + NG].abs() + 0.5
+    block_ids = torch.randperm(kv_cache.shape[0])
+    block_table = torch.zeros(len(lengths), max(counts), dtype=torch.int32)
+    used = 0
+    for request, count in enumerate(counts):
+        block_table[request, :count] = block_ids[used:used + count]
+        used += count
+    head_mix = VLLMHeadMix(NC, NG)
+    torch.nn.init.normal_(head_mix.key_weight)
+    torch.nn.init.normal_(head_mix.value_weight)
+    mix = GroupMix.of(head_mix, 0, NG, NP)
+    query = torch.randn(len(lengths), NP, HN)
+    scale = HN**-0.5
+
+    assert cpu_decode.supports(kv_cache, WIDTH) and cpu_decode.load() is not None
+    compiled = paged_decode(query, mix, kv_cache, block_table, lengths, NG, scale)
+    tiles = torch_paged_decode(mix.mix_queries(query), kv_cache, block_table, lengths, NG, scale,
+                               tile_tokens=32, gather_rows=64)
+    torch.testing.assert_close(compiled, mix.mix_outputs(tiles), rtol=2e-5, atol=2e-5)

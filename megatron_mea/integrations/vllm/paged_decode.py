@@ -6,17 +6,27 @@ meets every cached row `[K_0 ... K_nc-1 | r_0 ... r_ng-1 | V_0 ... V_nc-1]` of i
     logit_h(t) = scale * r_g(t) * (q~_h . K(t))            (g the group of query head h)
     out_h = sum_t softmax_t(logit_h) V(t)                   ([np, nc*hn]; `A_v` mixes it after)
 
-Requests advance together over their block tables, a tile of `tile_tokens` positions (whole
-blocks) at a time: one gather `[R', L, C]` of the tile's rows for the `R'` requests still that
-long, two batched GEMMs, and an online softmax (running max, sum and output per request and
-head, in fp32 or wider), so no request's whole rows are gathered at once. The requests go in
-groups of about `gather_rows / tile_tokens`, so that a tile's gather (`gather_rows` rows, 1-2 MiB
-at `nc*hn = 256`) is still in the CPU's cache when the GEMMs read it; gathering every request's
-tile at once measured slower than the per-request gather it replaced. Requests are taken
-longest first, so the ones still active at a tile are a prefix of their group and every active
-request has at least one valid position in it (no row is all masked). Positions at or past a
-request's length (the tail of its last block, block-table entries past its blocks) are masked
-in the logits and zeroed in the values (what an unused slot holds never reaches the output).
+Two implementations, one math. On the CPU with an fp32 or bf16 cache, `paged_decode` runs the
+compiled C loop of `ops/cpu_decode.py`: each request's rows read once, in place through the block
+table, on the engine's OpenMP threads. That is what makes the scaled layout pay on the CPU: torch
+below reads the cache at about a third of the speed of vLLM's C++ attention (a gather, two small
+GEMMs and a softmax per tile, each a fork and join of the thread team), and the served MEA model
+lost to its original (0.89x per CPU-second at hd64); with the C loop a decode step is faster than
+the original's on its full cache (docs/inference.md). `torch_paged_decode` serves every other
+case (fp64, fp16, a machine without a C compiler) and is the reference the C loop is tested
+against.
+
+`torch_paged_decode`: requests advance together over their block tables, a tile of `tile_tokens`
+positions (whole blocks) at a time: one gather `[R', L, C]` of the tile's rows for the `R'`
+requests still that long, two batched GEMMs, and an online softmax (running max, sum and output per
+request and head, in fp32 or wider), so no request's whole rows are gathered at once. The requests
+go in groups of about `gather_rows / tile_tokens`, so that a tile's gather (`gather_rows` rows, 1-2
+MiB at `nc*hn = 256`) is still in the CPU's cache when the GEMMs read it; gathering every request's
+tile at once measured slower than the per-request gather it replaced. Requests are taken longest
+first, so the ones still active at a tile are a prefix of their group and every active request has
+at least one valid position in it (no row is all masked). Positions at or past a request's length
+(the tail of its last block, block-table entries past its blocks) are masked in the logits and
+zeroed in the values (what an unused slot holds never reaches the output).
 
 Shape legend: `R` decode requests, `np` query heads of this rank, `ng` its composite keys,
 `W = nc*hn` the key and value width, `C` a cache row (`2*W + ng`), `bs` tokens per block,
@@ -27,23 +37,51 @@ import contextlib
 
 import torch
 
+from megatron_mea.ops import cpu_decode
+
 # Positions per tile: a few blocks, so a step costs a handful of torch calls per tile.
 TILE_TOKENS = 256
 # Rows gathered at once (a group of requests times a tile).
 GATHER_ROWS = 1024
-# torch's intra-op threads for a CPU decode. Its ops are small (a tile is a few hundred KiB) and
-# many (about ten per tile and group of requests, eight layers a step), and each parallel op is
-# a fork and join of the OpenMP team, which waits for a scheduler turn of every thread whenever
-# the cores are shared: on the 2-core machine at load 25, one layer's decode of 8 requests x
-# 600 positions (hd64) took a median of 693 ms on 2 threads and 6.9 ms on one (1.7 against
-# 2.8 ms at best, the machine momentarily free).
+# torch's intra-op threads for `torch_paged_decode` on the CPU. Its ops are small (a tile is a few
+# hundred KiB) and many (about ten per tile and group of requests, eight layers a step), and each
+# parallel op is a fork and join of the OpenMP team, which waits for a scheduler turn of every
+# thread whenever the cores are shared: on the 2-core machine at load 25, one layer's decode of 8
+# requests x 600 positions (hd64) took a median of 693 ms on 2 threads and 6.9 ms on one (1.7
+# against 2.8 ms at best, the machine momentarily free).
 CPU_THREADS = 1
 
 
-def paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: list, num_scales: int, scale: float,
-                 tile_tokens: int = TILE_TOKENS, gather_rows: int = GATHER_ROWS) -> torch.Tensor:
-    """Attention of one new token per request over its cached rows.
+def paged_decode(query: torch.Tensor, mix, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: list, num_scales: int, scale: float) -> torch.Tensor:
+    """Attention of one new token per request over its cached rows, the heads' mixes included.
+
+    Args:
+        query: `[R, np, hn]` RoPE'd queries, unmixed.
+        mix: the layer's `prefill.GroupMix` on this rank.
+        kv_cache, block_table, seq_lens, num_scales, scale: as `torch_paged_decode`'s.
+
+    Returns:
+        `[R, np, hn]` the composite heads' outputs `o_h`: the compiled C loop's
+        (`ops/cpu_decode.py`) where it reads the cache and builds, else
+        `mix.mix_outputs(torch_paged_decode(mix.mix_queries(query), ...))`.
+    """
+    width = mix.key.shape[0] * query.shape[-1]
+    kernel = cpu_decode.load() if cpu_decode.supports(kv_cache, width) else None
+    if kernel is not None:
+        return cpu_decode.scaled_decode(kernel, query, mix.key_per_head, mix.value_per_head,
+                                        kv_cache, block_table, seq_lens, num_scales, scale)
+    outputs = torch_paged_decode(mix.mix_queries(query), kv_cache, block_table, seq_lens,
+                                 num_scales, scale)
+    return mix.mix_outputs(outputs)
+
+
+def torch_paged_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       seq_lens: list, num_scales: int, scale: float,
+                       tile_tokens: int = TILE_TOKENS,
+                       gather_rows: int = GATHER_ROWS) -> torch.Tensor:
+    """Attention of one new token per request over its cached rows, in torch (any device and
+    dtype).
 
     Args:
         query: `[R, np, W]` mixed queries (`GroupMix.mix_queries`).

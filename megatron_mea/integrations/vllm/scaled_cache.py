@@ -25,8 +25,9 @@ group of query heads, `megatron_mea.ops.paged_attention`) with the mixed queries
 builder gives its metadata, and vLLM may capture it in CUDA graphs. On the CPU (any other
 device) the batch is ordered decodes first (`reorder_batch_threshold = 1`):
 - decode tokens (requests with one new token) read the cache rows with the mixed queries,
-  batched over the requests and blockwise over their block tables (`paged_decode`), and their
-  per-component outputs are mixed with `A_v`;
+  batched over the requests and blockwise over their block tables, and their per-component
+  outputs are mixed with `A_v` (`paged_decode`: a compiled C loop for fp32 and bf16 caches,
+  torch otherwise);
 - prefill tokens (requests with more new tokens) attend over their requests' composite heads
   rebuilt from the rows (`prefill`: the new tokens' own rows for a first prefill, the rows
   read through the block table after cached ones) through vLLM's C++ attention at head dim
@@ -221,10 +222,9 @@ class ScaledComponentsImpl(AttentionImpl[ScaledComponentsMetadata]):
         meta, hn, mix = attn_metadata, self.head_dim, self.mix()
         decodes = meta.num_decodes  # one token each, the batch's first tokens
         if decodes:
-            mixed = mix.mix_queries(query[:decodes, :, :hn])
-            outputs = paged_decode(mixed, kv_cache, meta.block_table[:decodes],
-                                   meta.seq_lens[:decodes], self.num_scales, self.scale)
-            output[:decodes, :, :hn] = mix.mix_outputs(outputs)
+            output[:decodes, :, :hn] = paged_decode(
+                query[:decodes, :, :hn], mix, kv_cache, meta.block_table[:decodes],
+                meta.seq_lens[:decodes], self.num_scales, self.scale)
         bounds = zip(meta.query_starts[decodes:-1], meta.query_starts[decodes + 1:],
                      meta.seq_lens[decodes:])
         prefills = [(request, start, end, length)
