@@ -19,6 +19,7 @@ engine steps, preemptions; KV tokens from `/metrics`; the MEA / original ratios.
 to `OUT/logs/`; `OUT/report.json`, `OUT/report.md` and (with matplotlib) `OUT/report.png`.
 """
 
+import signal
 import sys
 
 from megatron_mea.apps.bench import serve_exports
@@ -51,6 +52,12 @@ def build_parser():
     return parser
 
 
+def _exit_on_sigterm(signum, frame):
+    """SIGTERM (`kill PID`, SLURM, `timeout`) unwinds as Ctrl-C does: the servers are stopped on
+    the way out, instead of left running without the tool that started them."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv=None) -> int:
     """Serve every case, print the table, write the report.
 
@@ -59,8 +66,10 @@ def main(argv=None) -> int:
 
     Returns:
         The exit status: 0, or 1 when the exports could not be made (one line naming the log).
+        SIGTERM exits with 143 once the servers have stopped, as the signal's default would.
     """
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     print_progress("megatron_mea.apps.bench.serve")
     try:
         run(args)

@@ -58,10 +58,14 @@ def load() -> Optional[ctypes.CDLL]:
 
 def build(directory: Path) -> Optional[ctypes.CDLL]:
     """`cpu_decode.c` compiled into `directory` (once: the library's name is the build's key)
-    and loaded; None, with one warning saying why, without a working C compiler."""
+    and loaded; None, with one warning saying why, without a working C compiler or the
+    source."""
     compiler = os.environ.get("CC") or shutil.which("cc")
     if compiler is None:
         logger.warning("MEA's CPU decode: no C compiler (cc, or CC) - the torch path serves")
+        return None
+    if not _SOURCE.exists():  # an install that left the package's C file out
+        logger.warning("MEA's CPU decode: %s is missing - the torch path serves", _SOURCE)
         return None
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()

@@ -8,13 +8,14 @@ meets every cached row `[K_0 ... K_nc-1 | r_0 ... r_ng-1 | V_0 ... V_nc-1]` of i
 
 Two implementations, one math. On the CPU with an fp32 or bf16 cache, `paged_decode` runs the
 compiled C loop of `ops/cpu_decode.py`: each request's rows read once, in place through the block
-table, on the engine's OpenMP threads. That is what makes the scaled layout pay on the CPU: torch
-below reads the cache at about a third of the speed of vLLM's C++ attention (a gather, two small
-GEMMs and a softmax per tile, each a fork and join of the thread team), and the served MEA model
-lost to its original (0.89x per CPU-second at hd64); with the C loop a decode step is faster than
-the original's on its full cache (docs/inference.md). `torch_paged_decode` serves every other
-case (fp64, fp16, a machine without a C compiler) and is the reference the C loop is tested
-against.
+table, in one parallel region on the engine's OpenMP threads, the heads' mixes inside. That is
+what makes the scaled layout pay on the CPU: the torch path below reads the cache at about a
+quarter of the speed of vLLM's C++ attention (a gather, two small GEMMs and a softmax per tile,
+each a fork and join of the thread team), and with it the served hd64 Qwen3 MEA model gave 0.89x
+of its original's tokens per CPU-second; with the C loop a decode step costs 0.8-1.2x the
+original's over its full cache and the served model 1.37x (docs/inference.md).
+`torch_paged_decode` serves every other case (fp64, fp16, no C compiler) and is the reference
+the C loop is tested against.
 
 `torch_paged_decode`: requests advance together over their block tables, a tile of `tile_tokens`
 positions (whole blocks) at a time: one gather `[R', L, C]` of the tile's rows for the `R'`
