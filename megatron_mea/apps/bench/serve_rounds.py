@@ -170,14 +170,45 @@ class Server:
             return json.load(answer)["usage"]["completion_tokens"]
 
     def stop(self):
-        """SIGTERM (the server stops its engine processes), then SIGKILL after 60 s."""
-        if self.process.poll() is None:
-            self.process.terminate()
+        """SIGTERM to the server and every process under it, as a signal to their process
+        group would do, then SIGKILL to what still runs after a grace of 60 s (5 s for a server
+        not yet healthy: while it starts it waits on its engine core's handshake and takes no
+        signal). Stopping the server alone would leave a starting one's engine running."""
+        import psutil
+
+        if self.process.poll() is not None:
+            return
+        try:
+            server = psutil.Process(self.process.pid)
+            tree = [server, *server.children(recursive=True)]
+        except psutil.NoSuchProcess:  # it ended since the poll
+            tree = []
+        for process in tree:
             try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                process.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        deadline = time.monotonic() + (60 if self.startup_s is not None else 5)
+        while tree and time.monotonic() < deadline:
+            time.sleep(0.2)
+            tree = [process for process in tree if _running(process)]
+        for process in tree:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.process.wait()
+
+
+def _running(process) -> bool:
+    """Whether `process` (psutil) still runs: not ended, not a zombie (one whose parent has not
+    reaped it yet, which psutil counts as alive)."""
+    import psutil
+
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def run_round(server, prompts, max_tokens, sample_every_s=0.5):
