@@ -18,8 +18,8 @@
  * The requests are shared out over the process's OpenMP threads (one parallel region per call;
  * torch's ops are each one, about ten per tile in the torch path). The dots are blocked 4 heads x
  * 2 tokens (8 independent accumulators: a single dot of W would wait on its own FMA chain) and
- * the value updates 2 heads at a time, in GCC's vector extension (8 floats, AVX on x86, two NEON
- * registers on Arm; W a multiple of 8). Built by megatron_mea/ops/cpu_decode.py with `-O3
+ * the value updates 2 heads at a time, in GCC's vector extension (8 floats, which GCC lowers
+ * to the CPU's own vectors: AVX here, the only kind it has run on; W a multiple of 8). Built by megatron_mea/ops/cpu_decode.py with `-O3
  * -march=native -fopenmp` and called through ctypes; no Python or torch headers, so it compiles
  * in about a second.
  */
@@ -49,9 +49,9 @@ static inline float lane_sum(vec v) {
     return sum;
 }
 
-/* exp(x) for x <= 0, within 2 ulp, branch-free so that the loops calling it vectorise (glibc's
- * expf does not): 2^n exp(f) with n = round(x / ln 2), |f| <= ln 2 / 2, and Cephes' expf
- * polynomial for exp(f). Below -86 it returns about exp(-86) (4e-38) rather than a denormal:
+/* exp(x) for x <= 0 to a few fp32 ulp, branch-free so that the loops calling it vectorise
+ * (glibc's expf does not): 2^n exp(f) with n = round(x / ln 2), |f| <= ln 2 / 2, and Cephes'
+ * expf polynomial for exp(f). Below -86 it returns about exp(-86) (4e-38) rather than a denormal:
  * next to the softmax's largest weight, 1, it is nothing. */
 static inline float exp_nonpositive(float x) {
     const float shift = 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer */
