@@ -16,12 +16,12 @@
  * request's length are never read.
  *
  * The requests are shared out over the process's OpenMP threads (one parallel region per call;
- * torch's ops are each one, about ten per tile in the torch path). The dots are blocked 4 heads x
- * 2 tokens (8 independent accumulators: a single dot of W would wait on its own FMA chain) and
- * the value updates 2 heads at a time, in GCC's vector extension (8 floats, which GCC lowers
- * to the CPU's own vectors: AVX here, the only kind it has run on; W a multiple of 8). Built by megatron_mea/ops/cpu_decode.py with `-O3
- * -march=native -fopenmp` and called through ctypes; no Python or torch headers, so it compiles
- * in about a second.
+ * torch's ops are each one, about ten per tile in the torch path). The dots are blocked 4 heads
+ * x 2 tokens (8 independent accumulators: a single dot of W would wait on its own FMA chain) and
+ * the value updates 2 heads at a time, in GCC's vector extension (8 floats, which GCC lowers to
+ * the CPU's own vectors: AVX here, the only kind it has run on; W a multiple of 8). Built by
+ * megatron_mea/ops/cpu_decode.py with `-O3 -march=native -fopenmp` and called through ctypes; no
+ * Python or torch headers, so it compiles in 1-3 s.
  */
 
 #include <math.h>

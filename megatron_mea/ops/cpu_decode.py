@@ -12,7 +12,7 @@ fork and join of the thread team; the C loop is one pass over the rows in one pa
 mixes of queries and outputs included. It is compiled on first use with the system's C compiler
 (`CC`, else `cc`) for this CPU (`-march=native`) into `~/.cache/megatron_mea/kernels`
 (`XDG_CACHE_HOME` honoured), keyed by the source, the flags and the CPU's feature flags, and loaded
-with ctypes: no Python or torch headers, about a second. Without a compiler `load()` returns None,
+with ctypes: no Python or torch headers, 1-3 s. Without a compiler `load()` returns None,
 logs why once, and the caller keeps its torch path.
 
 Shape legend: `R` decode requests, `np` query heads, `ng` scales per row, `nc` components,
